@@ -1,0 +1,747 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in Flax linen.
+
+Read top to bottom, this file is the paper's Section 3:
+
+  TransformerConfig             the hyper-parameters, with the paper's names (Table 3)
+  sinusoidal_positional_encoding  Section 3.5
+  scaled_dot_product_attention  Section 3.2.1, Equation (1)
+  MultiHeadAttention            Section 3.2.2
+  FeedForward                   Section 3.3, Equation (2)
+  ResidualNorm                  Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x)))
+  Embeddings                    Section 3.4: shared embedding, scaled by sqrt(d_model)
+  EncoderLayer, Encoder         Section 3.1, left half of Figure 1
+  DecoderLayer, Decoder         Section 3.1, right half of Figure 1
+  Transformer                   encode / decode / __call__ -> logits, plus the
+                                incremental-decoding API used by `decoding.py`
+
+Shapes: `[batch, length, d_model]` for activations; heads are split as
+`[batch, length, num_heads, head_dim]`.
+
+Masks come from *segment ids*: 0 on padding and 1, 2, 3, ... for the examples
+packed into one row. A query attends to a key only when both belong to the same
+segment and the key is not padding (and, in the decoder, is not in the future).
+An unpacked batch is the special case of segment id 1 on every real token.
+
+Incremental decoding (`Transformer.decode_step`) keeps a self-attention key/value
+cache filled one position per step, and takes the encoder-decoder attention keys
+and values from a `memory` computed once per input (`Transformer.encoder_memory`),
+never recomputed per step. Beams of one input share that memory: the decoder
+reshapes its `[batch * beams]` queries to `[batch, beams]` and lets the beams
+attend to the same keys as if they were extra query positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+# ----------------------------------------------------------------------------
+# Configuration
+# ----------------------------------------------------------------------------
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyper-parameters of the Transformer. Defaults are the paper's base model."""
+
+  vocab_size: int = 37000          # shared source/target vocabulary
+  d_model: int = 512               # width of every residual-stream vector
+  num_heads: int = 8               # h
+  d_ff: int = 2048                 # inner width of the feed-forward network
+  num_encoder_layers: int = 6      # N (encoder)
+  num_decoder_layers: int = 6      # N (decoder)
+  max_len: int = 256               # longest sequence (learned positions, checks)
+  dropout_rate: float = 0.1        # P_drop: sub-layer outputs, embeddings + PE
+  attention_dropout_rate: float = 0.0  # on the attention weights (not in the paper)
+  share_embeddings: bool = True    # one embedding for source and target tokens
+  logits_via_embedding: bool = True  # pre-softmax projection = embedding^T
+  normalization: str = "post"      # "post" (paper) or "pre" (LayerNorm first)
+  activation: str = "relu"         # feed-forward non-linearity: "relu" or "gelu"
+  positional: str = "sinusoidal"   # "sinusoidal" (paper) or "learned"
+  layer_norm_epsilon: float = 1e-6
+  dtype: str = "float32"           # compute dtype ("bfloat16" on accelerators)
+  param_dtype: str = "float32"     # storage dtype of the parameters
+  scan_layers: bool = False        # stack layers with nn.scan (flat compile time)
+  remat: bool = False              # recompute layer activations in the backward pass
+  attention_implementation: str | None = None  # jax.nn.dot_product_attention: None, "xla", "cudnn"
+  pad_id: int = 0
+  eos_id: int = 1
+  bos_id: int = 2
+
+  def __post_init__(self):
+    def fail(field, problem):
+      raise ValueError(
+          f"TransformerConfig.{field}={getattr(self, field)!r}: {problem}")
+
+    for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+      if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
+        fail(field, "must be a positive integer")
+    for field in ("num_encoder_layers", "num_decoder_layers"):
+      if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+        fail(field, "must be an integer >= 1")
+    if self.d_model % self.num_heads:
+      fail("d_model", f"must be divisible by num_heads={self.num_heads} "
+           "(each head gets d_model / num_heads dimensions)")
+    for field in ("dropout_rate", "attention_dropout_rate"):
+      if not 0.0 <= getattr(self, field) < 1.0:
+        fail(field, "must be in [0, 1)")
+    if self.normalization not in ("post", "pre"):
+      fail("normalization", "must be 'post' (the paper) or 'pre'")
+    if self.activation not in ("relu", "gelu"):
+      fail("activation", "must be 'relu' (the paper) or 'gelu'")
+    if self.positional not in ("sinusoidal", "learned"):
+      fail("positional", "must be 'sinusoidal' (the paper) or 'learned'")
+    for field in ("dtype", "param_dtype"):
+      if getattr(self, field) not in _DTYPES:
+        fail(field, f"must be one of {_DTYPES}")
+    if self.attention_implementation not in (None, "xla", "cudnn"):
+      fail("attention_implementation", "must be None (auto), 'xla' or 'cudnn'")
+    for field in ("pad_id", "eos_id", "bos_id"):
+      if not 0 <= getattr(self, field) < self.vocab_size:
+        fail(field, f"must be a token id in [0, vocab_size={self.vocab_size})")
+
+  @property
+  def head_dim(self) -> int:
+    """d_k = d_v = d_model / h."""
+    return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def params_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **changes) -> "TransformerConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, values) -> "TransformerConfig":
+    """Builds a config from a mapping, ignoring keys that are not fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(values).items() if k in names})
+
+
+# ----------------------------------------------------------------------------
+# Pure functions: positions, masks, attention
+# ----------------------------------------------------------------------------
+
+
+def sinusoidal_positional_encoding(positions: Array, d_model: int) -> Array:
+  """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...).
+
+  Args:
+    positions: integer positions, any shape `[...]`.
+    d_model: even model width.
+  Returns:
+    float32 `[..., d_model]`, computed from the positions (no table, so no limit).
+  """
+  two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)           # 2i
+  inv_timescale = jnp.power(10000.0, -two_i / d_model)           # 1 / 10000^(2i/d)
+  angles = positions[..., None].astype(jnp.float32) * inv_timescale
+  # Interleave so that dimension 2i is the sine and 2i+1 the cosine, as written.
+  pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+  return pe.reshape(*positions.shape, d_model)
+
+
+def segment_ids_from_tokens(tokens: Array, pad_id: int) -> Array:
+  """1 on real tokens, 0 on padding: the segment ids of an unpacked batch."""
+  return (tokens != pad_id).astype(jnp.int32)
+
+
+def attention_mask(query_segment_ids: Array, key_segment_ids: Array,
+                   causal: bool = False) -> Array:
+  """Which keys each query may attend to.
+
+  Args:
+    query_segment_ids: `[batch, q_length]`, 0 = padding.
+    key_segment_ids: `[batch, kv_length]`, 0 = padding.
+    causal: also hide keys at later positions (decoder self-attention).
+  Returns:
+    bool `[batch, 1, q_length, kv_length]` (broadcast over heads).
+  """
+  mask = ((query_segment_ids[:, :, None] == key_segment_ids[:, None, :])
+          & (key_segment_ids[:, None, :] > 0))
+  if causal:
+    q_len, kv_len = query_segment_ids.shape[1], key_segment_ids.shape[1]
+    mask &= jnp.tril(jnp.ones((q_len, kv_len), dtype=bool))
+  return mask[:, None, :, :]
+
+
+def shift_right(targets: Array, bos_id: int, segment_ids: Array | None = None) -> Array:
+  """Decoder inputs: the targets moved one step right, each example starting with BOS.
+
+  With packing, every segment starts with its own BOS and nothing leaks from the
+  previous example.  targets, segment_ids: `[batch, length]` -> `[batch, length]`.
+  """
+  shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=bos_id)[:, :-1]
+  if segment_ids is None:
+    return shifted
+  starts = segment_ids != jnp.pad(segment_ids, ((0, 0), (1, 0)))[:, :-1]
+  shifted = jnp.where(starts, bos_id, shifted)
+  return jnp.where(segment_ids > 0, shifted, 0)
+
+
+def scaled_dot_product_attention(
+    query: Array, key: Array, value: Array, mask: Array | None = None, *,
+    dropout_rate: float = 0.0, dropout_rng: Array | None = None,
+    return_weights: bool = False, implementation: str | None = None,
+) -> tuple[Array, Array | None]:
+  """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, Equation (1).
+
+  Args:
+    query: `[batch, q_length, heads, d_k]`.
+    key: `[batch, kv_length, heads, d_k]`.
+    value: `[batch, kv_length, heads, d_v]`.
+    mask: bool, broadcastable to `[batch, heads, q_length, kv_length]`; False hides a key.
+    dropout_rate, dropout_rng: dropout on the attention weights (training only).
+    return_weights: also return the weights (e.g. to plot them).
+    implementation: passed to `jax.nn.dot_product_attention` (None picks the
+      best available: cuDNN flash attention on GPU, XLA elsewhere).
+  Returns:
+    `([batch, q_length, heads, d_v], weights [batch, heads, q_length, kv_length] or None)`.
+  """
+  use_dropout = dropout_rng is not None and dropout_rate > 0.0
+  if not (return_weights or use_dropout):
+    # The fused path: one kernel on GPU (flash attention), plain XLA on CPU.
+    out = jax.nn.dot_product_attention(query, key, value, mask=mask,
+                                       implementation=implementation)
+    return out, None
+  d_k = query.shape[-1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key,
+                      preferred_element_type=jnp.float32) / math.sqrt(d_k)
+  if mask is not None:
+    # A large negative number rather than -inf: a row with every key hidden
+    # (a padding query) gets uniform weights instead of NaN, like the fused path.
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1)
+  if use_dropout:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
+  return out, weights
+
+
+# ----------------------------------------------------------------------------
+# Modules, one per component of Figure 1
+# ----------------------------------------------------------------------------
+
+
+def _dense(config: TransformerConfig, features, axis=-1, name=None) -> nn.DenseGeneral:
+  return nn.DenseGeneral(
+      features=features, axis=axis, dtype=config.compute_dtype,
+      param_dtype=config.params_dtype, kernel_init=nn.initializers.xavier_uniform(),
+      bias_init=nn.initializers.zeros, name=name)
+
+
+def _layer_norm(config: TransformerConfig, name=None) -> nn.LayerNorm:
+  # Normalisation statistics in float32 even when computing in bfloat16.
+  return nn.LayerNorm(epsilon=config.layer_norm_epsilon, dtype=jnp.float32,
+                      param_dtype=config.params_dtype, name=name)
+
+
+class MultiHeadAttention(nn.Module):
+  """Section 3.2.2: MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O,
+  head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+  The h projections W_i^Q of width d_k are stored together as one
+  `[d_model, h, d_k]` kernel (likewise K, V), and W^O as `[h, d_v, d_model]`,
+  so that all heads are computed by one matrix multiplication.
+  Attention weights are sown into the "intermediates" collection as
+  `attention_weights` `[batch, heads, q_length, kv_length]` when it is mutable.
+  """
+
+  config: TransformerConfig
+  deterministic: bool = True
+
+  def setup(self):
+    cfg = self.config
+    heads = (cfg.num_heads, cfg.head_dim)
+    self.query = _dense(cfg, heads)
+    self.key = _dense(cfg, heads)
+    self.value = _dense(cfg, heads)
+    self.out = _dense(cfg, cfg.d_model, axis=(-2, -1))
+
+  def project_key_value(self, inputs_kv: Array) -> tuple[Array, Array]:
+    """`[batch, kv_length, d_model]` -> keys, values `[batch, kv_length, heads, d_k]`."""
+    return self.key(inputs_kv), self.value(inputs_kv)
+
+  def attend(self, inputs_q: Array, key: Array, value: Array,
+             mask: Array | None) -> Array:
+    """Attention of `inputs_q` `[batch, q_length, d_model]` to projected keys/values."""
+    cfg = self.config
+    query = self.query(inputs_q)
+    want_weights = self.is_mutable_collection("intermediates")
+    dropout_rng = None
+    if not self.deterministic and cfg.attention_dropout_rate > 0:
+      dropout_rng = self.make_rng("dropout")
+    heads, weights = scaled_dot_product_attention(
+        query, key, value, mask, dropout_rate=cfg.attention_dropout_rate,
+        dropout_rng=dropout_rng, return_weights=want_weights,
+        implementation=cfg.attention_implementation)
+    if weights is not None:
+      self.sow("intermediates", "attention_weights", weights)
+    return self.out(heads)  # Concat(heads) W^O
+
+  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None) -> Array:
+    """`[batch, q_length, d_model]`, `[batch, kv_length, d_model]` -> `[batch, q_length, d_model]`."""
+    key, value = self.project_key_value(inputs_kv)
+    return self.attend(inputs_q, key, value, mask)
+
+
+class FeedForward(nn.Module):
+  """Section 3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    activation = nn.relu if cfg.activation == "relu" else nn.gelu
+    h = activation(_dense(cfg, cfg.d_ff, name="inner")(x))
+    return _dense(cfg, cfg.d_model, name="outer")(h)
+
+
+class ResidualNorm(nn.Module):
+  """Residual connection and layer normalisation around a sub-layer.
+
+  post (the paper, Section 3.1 and 5.4):  LayerNorm(x + Dropout(Sublayer(x)))
+  pre  (Xiong et al., 2020):               x + Dropout(Sublayer(LayerNorm(x)))
+  """
+
+  config: TransformerConfig
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x: Array, sublayer: Callable[[Array], Array]) -> Array:
+    cfg = self.config
+    norm = _layer_norm(cfg, name="norm")
+    dropout = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
+    if cfg.normalization == "pre":
+      return x + dropout(sublayer(norm(x).astype(cfg.compute_dtype)))
+    return norm(x + dropout(sublayer(x))).astype(cfg.compute_dtype)
+
+
+class Embeddings(nn.Module):
+  """Section 3.4: token embedding times sqrt(d_model), and its transpose as the
+  pre-softmax linear transformation.
+
+  Initialised with standard deviation d_model^-0.5, so the scaled embedding has
+  unit variance and the tied logits start at unit scale.
+  """
+
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embedding = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
+        param_dtype=cfg.params_dtype,
+        embedding_init=nn.initializers.normal(stddev=cfg.d_model ** -0.5))
+
+  def __call__(self, tokens: Array) -> Array:
+    """`[batch, length]` int -> `[batch, length, d_model]`."""
+    return self.embedding(tokens) * jnp.sqrt(jnp.asarray(self.config.d_model, self.config.compute_dtype))
+
+  def attend(self, y: Array) -> Array:
+    """`[batch, length, d_model]` -> logits `[batch, length, vocab]` (y E^T)."""
+    return self.embedding.attend(y)
+
+
+class InputEmbedding(nn.Module):
+  """Token embedding + positional encoding, then dropout (Section 5.4)."""
+
+  config: TransformerConfig
+  embeddings: Embeddings
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Array) -> Array:
+    cfg = self.config
+    x = self.embeddings(tokens)
+    if cfg.positional == "sinusoidal":
+      pe = sinusoidal_positional_encoding(positions, cfg.d_model)
+    else:
+      pe = nn.Embed(cfg.max_len, cfg.d_model, dtype=cfg.compute_dtype,
+                    param_dtype=cfg.params_dtype,
+                    embedding_init=nn.initializers.normal(stddev=1.0),
+                    name="learned_positions")(positions)
+    x = x + pe.astype(x.dtype)
+    return nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)(x)
+
+
+class EncoderLayer(nn.Module):
+  """One encoder layer: self-attention, then feed-forward, each with ResidualNorm."""
+
+  config: TransformerConfig
+  deterministic: bool = True
+
+  def setup(self):
+    cfg, det = self.config, self.deterministic
+    self.self_attention = MultiHeadAttention(cfg, det)
+    self.feed_forward = FeedForward(cfg)
+    self.self_attention_norm = ResidualNorm(cfg, det)
+    self.feed_forward_norm = ResidualNorm(cfg, det)
+
+  def __call__(self, x: Array, mask: Array) -> Array:
+    """x `[batch, src_length, d_model]`, mask `[batch, 1, src_length, src_length]`."""
+    x = self.self_attention_norm(x, lambda h: self.self_attention(h, h, mask))
+    return self.feed_forward_norm(x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+  """One decoder layer: masked self-attention, encoder-decoder attention, feed-forward."""
+
+  config: TransformerConfig
+  deterministic: bool = True
+
+  def setup(self):
+    cfg, det = self.config, self.deterministic
+    self.self_attention = MultiHeadAttention(cfg, det)
+    self.cross_attention = MultiHeadAttention(cfg, det)
+    self.feed_forward = FeedForward(cfg)
+    self.self_attention_norm = ResidualNorm(cfg, det)
+    self.cross_attention_norm = ResidualNorm(cfg, det)
+    self.feed_forward_norm = ResidualNorm(cfg, det)
+
+  def __call__(self, y: Array, encoded: Array, self_mask: Array,
+               cross_mask: Array) -> Array:
+    """Teacher-forced pass over the whole target.
+
+    y `[batch, tgt_length, d_model]`, encoded `[batch, src_length, d_model]`,
+    self_mask `[batch, 1, tgt_length, tgt_length]` (causal + padding),
+    cross_mask `[batch, 1, tgt_length, src_length]`.
+    """
+    y = self.self_attention_norm(y, lambda h: self.self_attention(h, h, self_mask))
+    y = self.cross_attention_norm(y, lambda h: self.cross_attention(h, encoded, cross_mask))
+    return self.feed_forward_norm(y, self.feed_forward)
+
+  def memory(self, encoded: Array) -> tuple[Array, Array]:
+    """Encoder-decoder attention keys/values, computed once per input for decoding.
+
+    `[batch, src_length, d_model]` -> 2 x `[batch, src_length, heads, d_k]`.
+    """
+    return self.cross_attention.project_key_value(encoded)
+
+  def step(self, y: Array, cache: dict, memory: tuple[Array, Array],
+           cross_mask: Array, index: Array) -> tuple[Array, dict]:
+    """One decoding step at position `index` for `batch * beams` rows.
+
+    Args:
+      y: `[batch * beams, 1, d_model]`, the embedded previous tokens.
+      cache: {"key", "value"}: `[batch * beams, max_decode_len, heads, d_k]`.
+      memory: this layer's cross-attention keys/values `[batch, src_length, heads, d_k]`.
+      cross_mask: `[batch, 1, 1, src_length]`.
+      index: scalar, the position being decoded.
+    Returns:
+      `([batch * beams, 1, d_model], updated cache)`.
+    """
+    def self_attention(h):
+      # Write this position's key/value into the cache, attend to positions <= index.
+      new_key, new_value = self.self_attention.project_key_value(h)
+      cache["key"] = jax.lax.dynamic_update_slice_in_dim(
+          cache["key"], new_key.astype(cache["key"].dtype), index, axis=1)
+      cache["value"] = jax.lax.dynamic_update_slice_in_dim(
+          cache["value"], new_value.astype(cache["value"].dtype), index, axis=1)
+      visible = jnp.arange(cache["key"].shape[1]) <= index
+      return self.self_attention.attend(h, cache["key"], cache["value"],
+                                        visible[None, None, None, :])
+
+    def cross_attention(h):
+      # The beams of one input become query positions against its shared memory.
+      batch = memory[0].shape[0]
+      flat_batch = h.shape[0]
+      h = h.reshape(batch, flat_batch // batch, h.shape[-1])
+      out = self.cross_attention.attend(h, *memory, cross_mask)
+      return out.reshape(flat_batch, 1, out.shape[-1])
+
+    cache = dict(cache)
+    y = self.self_attention_norm(y, self_attention)
+    y = self.cross_attention_norm(y, cross_attention)
+    return self.feed_forward_norm(y, self.feed_forward), cache
+
+
+# ----------------------------------------------------------------------------
+# Layer stacks: a Python loop, or nn.scan (one compiled layer, flat compile time)
+# ----------------------------------------------------------------------------
+
+
+class _ScannedEncoderLayer(EncoderLayer):
+  """EncoderLayer in the (carry, per-layer input) -> (carry, output) form of nn.scan."""
+
+  def __call__(self, x, mask):
+    return super().__call__(x, mask), None
+
+
+class _ScannedDecoderLayer(DecoderLayer):
+  """DecoderLayer in nn.scan form; `memory` and `step` scan over stacked per-layer data."""
+
+  def __call__(self, y, encoded, self_mask, cross_mask):
+    return super().__call__(y, encoded, self_mask, cross_mask), None
+
+  def memory(self, encoded, _):
+    return encoded, super().memory(encoded)
+
+  def step(self, y, cache, memory, cross_mask, index):
+    return super().step(y, cache, memory, cross_mask, index)
+
+
+def _scan(layer_cls, config: TransformerConfig, length: int, methods: dict):
+  """nn.scan over `length` copies of `layer_cls`, parameters stacked on axis 0."""
+  common = dict(variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True}, length=length)
+  return nn.scan(layer_cls, methods={m: dict(common, **kw) for m, kw in methods.items()})
+
+
+def _maybe_remat(layer_cls, config: TransformerConfig):
+  if not config.remat:
+    return layer_cls
+  # Under nn.scan, common-subexpression elimination cannot merge the recomputation.
+  return nn.remat(layer_cls, prevent_cse=not config.scan_layers)
+
+
+class Encoder(nn.Module):
+  """Input embedding, N encoder layers (and a final LayerNorm when pre-LN)."""
+
+  config: TransformerConfig
+  embeddings: Embeddings
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, inputs: Array, segment_ids: Array, positions: Array) -> Array:
+    """inputs, segment_ids, positions `[batch, src_length]` -> `[batch, src_length, d_model]`."""
+    cfg, det = self.config, self.deterministic
+    x = InputEmbedding(cfg, self.embeddings, det, name="input_embedding")(inputs, positions)
+    mask = attention_mask(segment_ids, segment_ids)
+    if cfg.scan_layers:
+      layers = _scan(_maybe_remat(_ScannedEncoderLayer, cfg), cfg, cfg.num_encoder_layers,
+                     {"__call__": dict(in_axes=nn.broadcast)})
+      x, _ = layers(cfg, det, name="layers")(x, mask)
+    else:
+      for i in range(cfg.num_encoder_layers):
+        x = _maybe_remat(EncoderLayer, cfg)(cfg, det, name=f"layers_{i}")(x, mask)
+    if cfg.normalization == "pre":
+      x = _layer_norm(cfg, name="final_norm")(x).astype(cfg.compute_dtype)
+    return x
+
+
+class Decoder(nn.Module):
+  """Output embedding, N decoder layers, (final LayerNorm when pre-LN), logits.
+
+  Two modes share the parameters: `__call__` runs the whole target at once
+  (training, scoring); `memory` + `step` decode one position at a time.
+  """
+
+  config: TransformerConfig
+  embeddings: Embeddings
+  deterministic: bool = True
+
+  def setup(self):
+    cfg, det = self.config, self.deterministic
+    self.input_embedding = InputEmbedding(cfg, self.embeddings, det)
+    if cfg.scan_layers:
+      broadcast = nn.broadcast
+      self.layers = _scan(
+          _maybe_remat(_ScannedDecoderLayer, cfg), cfg, cfg.num_decoder_layers,
+          {"__call__": dict(in_axes=broadcast),
+           "memory": dict(in_axes=(0,)),
+           # The self-attention cache keeps the batch on axis 0 (so that beam
+           # search can reorder it), hence layers on axis 1.
+           "step": dict(in_axes=(1, 0, broadcast, broadcast), out_axes=1)},
+      )(cfg, det)
+    else:
+      self.layers = [_maybe_remat(DecoderLayer, cfg)(cfg, det)
+                     for _ in range(cfg.num_decoder_layers)]
+    if cfg.normalization == "pre":
+      self.final_norm = _layer_norm(cfg)
+    if not cfg.logits_via_embedding:
+      self.output_projection = _dense(cfg, cfg.vocab_size)
+
+  def logits(self, y: Array) -> Array:
+    """The final linear transformation: `[..., d_model]` -> float32 `[..., vocab]`."""
+    cfg = self.config
+    if cfg.normalization == "pre":
+      y = self.final_norm(y).astype(cfg.compute_dtype)
+    if cfg.logits_via_embedding:
+      logits = self.embeddings.attend(y)
+    else:
+      logits = self.output_projection(y)
+    return logits.astype(jnp.float32)
+
+  def __call__(self, decoder_inputs: Array, segment_ids: Array, positions: Array,
+               encoded: Array, encoder_segment_ids: Array) -> Array:
+    """Teacher forcing: decoder_inputs `[batch, tgt_length]` (targets shifted
+    right), encoded `[batch, src_length, d_model]` -> logits `[batch, tgt_length, vocab]`."""
+    cfg = self.config
+    y = self.input_embedding(decoder_inputs, positions)
+    self_mask = attention_mask(segment_ids, segment_ids, causal=True)
+    cross_mask = attention_mask(segment_ids, encoder_segment_ids)
+    if cfg.scan_layers:
+      y, _ = self.layers(y, encoded, self_mask, cross_mask)
+    else:
+      for layer in self.layers:
+        y = layer(y, encoded, self_mask, cross_mask)
+    return self.logits(y)
+
+  def memory(self, encoded: Array):
+    """Per-layer cross-attention keys/values (stacked on axis 0 when scanning)."""
+    if self.config.scan_layers:
+      _, kv = self.layers.memory(encoded, None)
+      return kv
+    return [layer.memory(encoded) for layer in self.layers]
+
+  def step(self, tokens: Array, cache: dict, memory, cross_mask: Array):
+    """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache."""
+    cfg = self.config
+    index = cache["index"]
+    positions = jnp.full((tokens.shape[0], 1), index, dtype=jnp.int32)
+    y = self.input_embedding(tokens[:, None], positions)
+    if cfg.scan_layers:
+      y, layers = self.layers.step(y, cache["layers"], memory, cross_mask, index)
+    else:
+      layers = []
+      for layer, layer_cache, layer_memory in zip(self.layers, cache["layers"], memory):
+        y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, index)
+        layers.append(layer_cache)
+    return self.logits(y[:, 0]), {"index": index + 1, "layers": layers}
+
+
+class Transformer(nn.Module):
+  """The encoder-decoder Transformer (Figure 1).
+
+  Training / scoring:    logits = model.apply(params, inputs, decoder_inputs)
+  Decoding:              encoded = apply(..., method=Transformer.encode)
+                         memory  = apply(..., method=Transformer.encoder_memory)
+                         cache   = init_cache(config, batch * beams, max_decode_len)
+                         logits, cache = apply(..., token_ids, cache, memory,
+                                               method=Transformer.decode_step)
+  """
+
+  config: TransformerConfig
+  deterministic: bool = True
+
+  def setup(self):
+    cfg, det = self.config, self.deterministic
+    source_embeddings = Embeddings(cfg, name="embeddings" if cfg.share_embeddings
+                                   else "source_embeddings")
+    target_embeddings = (source_embeddings if cfg.share_embeddings
+                         else Embeddings(cfg, name="target_embeddings"))
+    self.encoder = Encoder(cfg, source_embeddings, det)
+    self.decoder = Decoder(cfg, target_embeddings, det)
+
+  def _segments_and_positions(self, tokens, segment_ids, positions):
+    if segment_ids is None:
+      segment_ids = segment_ids_from_tokens(tokens, self.config.pad_id)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return segment_ids, positions
+
+  def encode(self, inputs: Array, inputs_segment_ids: Array | None = None,
+             inputs_positions: Array | None = None) -> Array:
+    """inputs `[batch, src_length]` token ids -> encoded `[batch, src_length, d_model]`."""
+    segment_ids, positions = self._segments_and_positions(
+        inputs, inputs_segment_ids, inputs_positions)
+    return self.encoder(inputs, segment_ids, positions)
+
+  def decode(self, encoded: Array, inputs: Array, decoder_inputs: Array,
+             inputs_segment_ids: Array | None = None,
+             decoder_segment_ids: Array | None = None,
+             decoder_positions: Array | None = None) -> Array:
+    """Teacher-forced decoder: -> logits `[batch, tgt_length, vocab]` (float32).
+
+    `inputs` (source token ids) only serve to mask source padding when
+    `inputs_segment_ids` is not given. Without `decoder_segment_ids`, every
+    decoder position counts as real (BOS may equal the padding id).
+    """
+    enc_segments, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
+    if decoder_segment_ids is None:
+      decoder_segment_ids = jnp.ones_like(decoder_inputs, dtype=jnp.int32)
+    _, positions = self._segments_and_positions(
+        decoder_inputs, decoder_segment_ids, decoder_positions)
+    return self.decoder(decoder_inputs, decoder_segment_ids, positions, encoded, enc_segments)
+
+  def __call__(self, inputs: Array, decoder_inputs: Array,
+               inputs_segment_ids: Array | None = None,
+               decoder_segment_ids: Array | None = None,
+               inputs_positions: Array | None = None,
+               decoder_positions: Array | None = None) -> Array:
+    """inputs `[batch, src_length]`, decoder_inputs `[batch, tgt_length]` (targets
+    shifted right, see `shift_right`) -> logits `[batch, tgt_length, vocab]`."""
+    encoded = self.encode(inputs, inputs_segment_ids, inputs_positions)
+    return self.decode(encoded, inputs, decoder_inputs, inputs_segment_ids,
+                       decoder_segment_ids, decoder_positions)
+
+  def encoder_memory(self, encoded: Array, inputs: Array,
+                     inputs_segment_ids: Array | None = None) -> dict:
+    """What the decoder needs from the encoder, computed once per input:
+    every layer's cross-attention keys/values and the source padding mask."""
+    segment_ids, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
+    return {"key_value": self.decoder.memory(encoded),
+            "mask": (segment_ids > 0)[:, None, None, :]}
+
+  def decode_step(self, token_ids: Array, cache: dict, memory: dict) -> tuple[Array, dict]:
+    """One step of incremental decoding.
+
+    Args:
+      token_ids: `[batch * beams]`, the previous token of every row (BOS first).
+      cache: from `init_cache(config, batch * beams, max_decode_len)`.
+      memory: from `encoder_memory` for the `batch` inputs.
+    Returns:
+      logits `[batch * beams, vocab]` (float32) for the next token, and the cache.
+    """
+    return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"])
+
+
+def init_cache(config: TransformerConfig, batch_size: int, max_decode_len: int) -> dict:
+  """An empty self-attention cache for `batch_size` rows (batch * beams).
+
+  Every array has the batch on axis 0 (beam search reorders along it); the
+  position `index` is a scalar. With `scan_layers` the per-layer arrays are
+  stacked on axis 1: `[batch, layers, max_decode_len, heads, d_k]`.
+  """
+  shape = (batch_size, max_decode_len, config.num_heads, config.head_dim)
+  zeros = lambda shape: jnp.zeros(shape, config.compute_dtype)
+  if config.scan_layers:
+    stacked = (batch_size, config.num_decoder_layers) + shape[1:]
+    layers = {"key": zeros(stacked), "value": zeros(stacked)}
+  else:
+    layers = [{"key": zeros(shape), "value": zeros(shape)}
+              for _ in range(config.num_decoder_layers)]
+  return {"index": jnp.array(0, dtype=jnp.int32), "layers": layers}
+
+
+# ----------------------------------------------------------------------------
+# Utilities
+# ----------------------------------------------------------------------------
+
+
+def init_params(config: TransformerConfig, rng: Array, src_length: int = 8,
+                tgt_length: int = 8):
+  """Random initial parameters for `config` (float `param_dtype` pytree)."""
+  inputs = jnp.ones((1, src_length), jnp.int32)
+  targets = jnp.ones((1, tgt_length), jnp.int32)
+  return Transformer(config).init(rng, inputs, targets)["params"]
+
+
+def count_params(config_or_params) -> int:
+  """Number of parameters of a config (computed abstractly, nothing allocated)
+  or of a parameter pytree."""
+  if isinstance(config_or_params, TransformerConfig):
+    config_or_params = jax.eval_shape(
+        functools.partial(init_params, config_or_params), jax.random.key(0))
+  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(config_or_params)))
