@@ -1,0 +1,67 @@
+"""The embedded demo: English number phrases -> German, offline, minutes on a CPU.
+
+    python train.py                          # this config, workdir runs/demo
+    python train.py --config.num_train_steps=200 --config.model.d_model=64
+
+Every field can be overridden with --config.<field>=<value>.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  # Data (transformer/data.py: load_split documents every source's fields).
+  config.data = ml_collections.ConfigDict(dict(
+      source="demo",            # demo | tsv | files | tfds
+      demo_seed=0, demo_num_train=20_000, demo_num_eval=500, demo_num_test=500,
+      train_path="", eval_path="", test_path="",             # tsv
+      train_src="", train_tgt="", eval_src="", eval_tgt="",  # files
+      test_src="", test_tgt="",
+      tfds_name="", tfds_train_split="train", tfds_eval_split="validation",
+      tfds_test_split="test", source_lang="en", target_lang="de", tfds_data_dir="",
+  ))
+  config.vocab_path = ""        # empty: train SentencePiece into <workdir>/vocab.model
+  config.vocab_size = 256       # pieces of the trained vocabulary (a soft limit)
+
+  # Batches: `batch_size` rows of `max_length` tokens (packed), per update
+  # `grad_accum_steps` of them.
+  config.batch_size = 64
+  config.max_length = 48
+  config.pack = True
+  config.grad_accum_steps = 1
+
+  # The model (transformer.model.TransformerConfig fields; vocab_size and the
+  # special ids come from the vocabulary).
+  config.model = ml_collections.ConfigDict(dict(
+      d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2, num_decoder_layers=2,
+      max_len=128, dropout_rate=0.1, attention_dropout_rate=0.0,
+      share_embeddings=True, logits_via_embedding=True, normalization="post",
+      activation="relu", positional="sinusoidal", dtype="float32",
+      param_dtype="float32", scan_layers=False, remat=False,
+  ))
+
+  # Optimisation (the paper's Adam and schedule; scale 1 = the paper's rate).
+  config.num_train_steps = 1200
+  config.warmup_steps = 200
+  config.learning_rate_scale = 2.0
+  config.adam_b1 = 0.9
+  config.adam_b2 = 0.98
+  config.adam_eps = 1e-9
+  config.grad_clip_norm = 0.0   # 0 = off (the paper does not clip)
+  config.label_smoothing = 0.1
+  config.seed = 0
+
+  # Logging, evaluation, checkpoints.
+  config.log_every = 50
+  config.eval_every = 400
+  config.eval_batch_size = 64
+  config.num_eval_examples = 0        # 0 = the whole validation split (loss)
+  config.num_bleu_examples = 200      # validation sentences decoded for BLEU
+  config.eval_decode_method = "greedy"
+  config.eval_beam_size = 4
+  config.checkpoint_every = 400
+  config.keep_checkpoints = 3
+  config.average_last = 1             # >1: average the last N checkpoints at the end
+  return config

@@ -1,0 +1,75 @@
+"""Train the Transformer.
+
+    python train.py                                   # the embedded demo (CPU, minutes)
+    python train.py --config=configs/wmt14_base.py --workdir=runs/base \
+        --config.num_train_steps=100000
+    python train.py --config.model.d_model=256 --config.batch_size=128   # any field
+
+Running again with the same --workdir resumes from its last checkpoint.
+"""
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
+    "Training configuration file (configs/*.py); override fields with --config.<field>=...")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for the vocabulary, checkpoints and metrics "
+    "(default: runs/demo for the demo, runs/<config name> otherwise).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: host:port of process 0 (or $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-host: number of processes (or $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-host: this process's index (or $JAX_PROCESS_ID).")
+_QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.")
+
+
+def default_workdir(config_path: str) -> str:
+  name = os.path.splitext(os.path.basename(config_path))[0]
+  return os.path.join("runs", "demo" if name == "default" else name)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from transformer import parallel
+  parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                        _PROCESS_ID.value)
+  from transformer import training
+
+  # orbax logs every save at INFO; keep the console for our own messages.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  logging.getLogger("transformer").setLevel(logging.INFO)
+  config_path = flags.FLAGS["config"].config_filename
+  workdir = _WORKDIR.value or default_workdir(config_path)
+  try:
+    result = training.train_and_evaluate(_CONFIG.value, workdir, quiet=_QUIET.value)
+  except (ValueError, FileNotFoundError, training.TrainingDiverged) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print(f"\nInterrupted. Run the same command again to resume from {workdir}.",
+          file=sys.stderr)
+    return 130
+  ev = result.eval
+  print(f"\nTrained {result.step} steps into {result.workdir}")
+  summary = f"validation: loss {ev['loss']:.4f}, token accuracy {ev['accuracy']:.4f}"
+  if "bleu" in ev:
+    summary += f", BLEU {ev['bleu']:.2f}, exact match {ev['exact_match']:.1%}"
+  print(summary)
+  for source, reference, hypothesis in result.samples[:5]:
+    print(f"  {source}\n    -> {hypothesis}\n    (reference: {reference})")
+  print(f"\nTranslate: echo \"{result.samples[0][0] if result.samples else 'text'}\" | "
+        f"python decode.py --workdir={workdir}")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(lambda argv: sys.exit(main(argv)))

@@ -1,0 +1,73 @@
+"""Metrics out: TensorBoard event files, metrics.jsonl, a tqdm progress bar, BLEU."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import sacrebleu
+import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def bleu(hypotheses: list[str], references: list[str]) -> float:
+  """Corpus BLEU (sacrebleu's default 13a tokenisation), 0..100."""
+  return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+
+
+class MetricsWriter:
+  """Writes scalars to `<workdir>/tensorboard/` (event files) and appends them,
+  one JSON object per line, to `<workdir>/metrics.jsonl`. Only process 0 writes."""
+
+  def __init__(self, workdir: str, enabled: bool = True):
+    self.enabled = enabled
+    self._tb = None
+    self._jsonl = None
+    if enabled:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+      self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
+
+  def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
+    if not self.enabled:
+      return
+    for name, value in scalars.items():
+      self._tb.add_scalar(f"{prefix}/{name}", value, step)
+    self._tb.flush()
+    record = {"step": int(step), "split": prefix, "time": time.time(),
+              **{k: float(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._tb.close()
+      self._jsonl.close()
+
+
+class _NoProgress:
+  def update(self, n=1): pass
+  def set_postfix(self, **kw): pass
+  def write(self, text): print(text, file=sys.stderr)
+  def close(self): pass
+
+
+def progress_bar(start: int, total: int, enabled: bool = True):
+  """A tqdm bar over training steps on stderr (a silent stand-in when disabled)."""
+  if not enabled:
+    return _NoProgress()
+  return tqdm.tqdm(initial=start, total=total, unit="step", dynamic_ncols=True,
+                   file=sys.stderr, desc="train")
+
+
+def format_eval(step: int, summary: dict) -> str:
+  parts = [f"step {step}: eval loss {summary['loss']:.4f}",
+           f"accuracy {summary['accuracy']:.4f}", f"perplexity {summary['perplexity']:.3f}"]
+  if "bleu" in summary:
+    parts.append(f"BLEU {summary['bleu']:.2f}")
+    parts.append(f"exact match {summary['exact_match']:.3f}")
+  return ", ".join(parts)

@@ -1,0 +1,448 @@
+"""Training: the loss, the schedule, the optimizer, the jitted steps and the loop.
+
+`train_and_evaluate(config, workdir)` is what `python train.py` runs:
+
+  data (config.data)  ->  SentencePiece vocabulary (<workdir>/vocab.model)
+  ->  packed token batches (grain, one shard per process)
+  ->  jitted train step over a device mesh (batch sharded on "data", state replicated)
+  ->  metrics (console, TensorBoard, metrics.jsonl), periodic eval loss + BLEU
+  ->  orbax checkpoints (exact resume), average of the last N at the end.
+
+The paper's recipe (Section 5): Adam(0.9, 0.98, 1e-9), the learning rate
+d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), label smoothing 0.1,
+batches of about 25k source + 25k target tokens (gradient accumulation reaches
+that on small hardware), checkpoint averaging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
+from transformer import metrics as metrics_lib
+from transformer.model import Transformer, TransformerConfig, shift_right
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+MODEL_CONFIG_FILE = "model_config.json"
+VOCAB_FILE = "vocab.model"
+
+
+class TrainingDiverged(FloatingPointError):
+  """The loss became NaN or infinite; the run stopped, checkpoints are untouched."""
+
+
+# ----------------------------------------------------------------------------
+# Schedule, loss, optimizer
+# ----------------------------------------------------------------------------
+
+
+def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
+  """Section 5.3: lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).
+
+  `step` counts updates from 1 (optax passes 0 for the first update).
+  """
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    return scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+  return schedule
+
+
+def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
+                       label_smoothing: float) -> dict[str, jax.Array]:
+  """Label-smoothed cross entropy (Section 5.4), without a one-hot matrix.
+
+  The smoothed target puts 1 - eps on the reference token and eps / (V - 1) on
+  every other token. Its cross entropy with softmax(logits) is
+      -(conf - low) * log p[target] - low * sum_v log p[v],
+  and sum_v log p[v] = sum_v logits[v] - V * logsumexp(logits), so only the
+  log-sum-exp, the row sum and one gathered logit per token are needed. The
+  entropy of the smoothed target is subtracted, so a perfect model scores 0.
+
+  Args:
+    logits: float32 `[batch, length, vocab]`.
+    targets: int `[batch, length]`.
+    weights: `[batch, length]`, 1 on real tokens, 0 on padding.
+    label_smoothing: eps.
+  Returns:
+    Sums over real tokens: "loss" (smoothed), "nll" (plain negative
+    log-likelihood), "correct" (argmax hits), "weight" (number of tokens).
+  """
+  vocab = logits.shape[-1]
+  confidence = 1.0 - label_smoothing
+  low = label_smoothing / (vocab - 1)
+  entropy = -(confidence * math.log(confidence)
+              + (vocab - 1) * low * math.log(low + 1e-20))
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  log_p_target = target_logit - log_z
+  sum_log_p = jnp.sum(logits, axis=-1) - vocab * log_z
+  loss = -(confidence - low) * log_p_target - low * sum_log_p - entropy
+  weights = weights.astype(jnp.float32)
+  # argmax == target, written as "no logit beats the target's" (ties count as hits)
+  correct = target_logit >= jnp.max(logits, axis=-1)
+  return {"loss": jnp.sum(loss * weights), "nll": jnp.sum(-log_p_target * weights),
+          "correct": jnp.sum(correct * weights), "weight": jnp.sum(weights)}
+
+
+def make_optimizer(config: ml_collections.ConfigDict, d_model: int):
+  """Adam with the paper's betas/epsilon and warm-up schedule (+ optional clipping)."""
+  schedule = learning_rate_schedule(d_model, config.warmup_steps, config.learning_rate_scale)
+  adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  if config.get("grad_clip_norm", 0.0):
+    return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam), schedule
+  return adam, schedule
+
+
+# ----------------------------------------------------------------------------
+# Train state and the jitted steps
+# ----------------------------------------------------------------------------
+
+
+def create_train_state(model_config: TransformerConfig, optimizer, seed: int) -> dict:
+  """{"step", "params", "opt_state", "rng"}: everything a resumed run needs."""
+  init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
+  dummy = jnp.ones((1, 8), jnp.int32)
+  params = Transformer(model_config).init(init_rng, dummy, dummy)["params"]
+  return {"step": jnp.array(0, jnp.int32), "params": params,
+          "opt_state": optimizer.init(params), "rng": dropout_rng}
+
+
+def _forward_sums(params, batch, model_config, label_smoothing, dropout_rng):
+  """Loss sums of one (micro)batch; dropout on when `dropout_rng` is given."""
+  decoder_inputs = shift_right(batch["targets"], model_config.bos_id,
+                               batch["targets_segment_ids"])
+  model = Transformer(model_config, deterministic=dropout_rng is None)
+  logits = model.apply(
+      {"params": params}, batch["inputs"], decoder_inputs,
+      inputs_segment_ids=batch["inputs_segment_ids"],
+      decoder_segment_ids=batch["targets_segment_ids"],
+      inputs_positions=batch["inputs_positions"],
+      decoder_positions=batch["targets_positions"],
+      rngs=None if dropout_rng is None else {"dropout": dropout_rng})
+  weights = batch["targets_segment_ids"] > 0
+  return cross_entropy_sums(logits, batch["targets"], weights, label_smoothing)
+
+
+def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
+               optimizer, schedule, label_smoothing: float) -> tuple[dict, dict]:
+  """One update from `batch` (arrays `[accumulation, rows, length]`).
+
+  Gradients of the micro-batches are summed (a `lax.scan`) and divided by the
+  number of target tokens of the whole batch, so accumulating k micro-batches
+  is the same update as one batch k times larger.
+  """
+  total_weight = jnp.maximum(jnp.sum(batch["targets_segment_ids"] > 0), 1).astype(jnp.float32)
+  step_rng = jax.random.fold_in(state["rng"], state["step"])
+
+  def micro_step(grads, micro):
+    index, micro_batch = micro
+    def loss_fn(params):
+      sums = _forward_sums(params, micro_batch, model_config, label_smoothing,
+                           jax.random.fold_in(step_rng, index))
+      return sums["loss"] / total_weight, sums
+    micro_grads, sums = jax.grad(loss_fn, has_aux=True)(state["params"])
+    return jax.tree_util.tree_map(jnp.add, grads, micro_grads), sums
+
+  num_micro = batch["targets"].shape[0]
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, state["params"])
+  if num_micro == 1:
+    grads, sums = micro_step(zeros, (0, jax.tree_util.tree_map(lambda x: x[0], batch)))
+  else:
+    grads, sums = jax.lax.scan(micro_step, zeros, (jnp.arange(num_micro), batch))
+    sums = jax.tree_util.tree_map(jnp.sum, sums)
+
+  updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  metrics = dict(sums, grad_norm=optax.global_norm(grads),
+                 learning_rate=schedule(state["step"]))
+  new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
+  return new_state, metrics
+
+
+def eval_step(params, batch, *, model_config: TransformerConfig,
+              label_smoothing: float) -> dict:
+  """Loss sums of an evaluation batch (`[rows, length]`), dropout off."""
+  return _forward_sums(params, batch, model_config, label_smoothing, None)
+
+
+def summarize_sums(sums: dict) -> dict[str, float]:
+  """Per-token averages from summed metrics."""
+  weight = max(float(sums["weight"]), 1.0)
+  out = {"loss": float(sums["loss"]) / weight, "nll": float(sums["nll"]) / weight,
+         "accuracy": float(sums["correct"]) / weight}
+  out["perplexity"] = float(np.exp(min(out["nll"], 50.0)))
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Workdir set-up: config, vocabulary, model config
+# ----------------------------------------------------------------------------
+
+
+def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
+  """The TransformerConfig of `config.model`, with the vocabulary's size and ids."""
+  fields = dict(config.model)
+  fields.update(vocab_size=vocab_size, pad_id=tokenizer_lib.PAD_ID,
+                eos_id=tokenizer_lib.EOS_ID, bos_id=tokenizer_lib.BOS_ID)
+  try:
+    return TransformerConfig.from_dict(fields)
+  except ValueError as e:
+    raise ValueError(f"{e} (set it with --config.model.<field>=...)") from e
+
+
+def _unknown_model_fields(config) -> list[str]:
+  names = {f.name for f in dataclasses.fields(TransformerConfig)}
+  return sorted(set(config.model.keys()) - names)
+
+
+def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
+  """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
+  trained on the training data the first time (by process 0)."""
+  if config.get("vocab_path"):
+    return tokenizer_lib.load_tokenizer(config.vocab_path)
+  path = os.path.join(workdir, VOCAB_FILE)
+  if not os.path.exists(path) and jax.process_index() == 0:
+    logger.info("Training a SentencePiece vocabulary of %d pieces -> %s", config.vocab_size, path)
+    tokenizer_lib.train_tokenizer(
+        data.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
+        path, config.vocab_size)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("vocabulary written")
+  return tokenizer_lib.load_tokenizer(path)
+
+
+def write_json(path: str, value) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def load_model_config(workdir: str) -> TransformerConfig:
+  path = os.path.join(workdir, MODEL_CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f"{path} not found: {workdir} is not a workdir written by train.py "
+        "(run `python train.py --workdir=...` first).")
+  with open(path) as f:
+    return TransformerConfig.from_dict(json.load(f))
+
+
+# ----------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------
+
+
+def _stack_micro_batches(it: Iterator[dict], num: int) -> dict[str, np.ndarray]:
+  micro = [next(it) for _ in range(num)]
+  return {key: np.stack([m[key] for m in micro]) for key in micro[0]}
+
+
+def _shard(batch: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+  return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What `train_and_evaluate` returns."""
+
+  step: int
+  train: dict[str, float]
+  eval: dict[str, float]
+  samples: list[tuple[str, str, str]]  # (source, reference, translation)
+  workdir: str
+
+
+def _check_config(config) -> None:
+  unknown = _unknown_model_fields(config)
+  if unknown:
+    raise ValueError(f"config.model has unknown field(s) {unknown}; valid fields are "
+                     f"{sorted(f.name for f in dataclasses.fields(TransformerConfig))}.")
+  for name in ("num_train_steps", "batch_size", "max_length", "grad_accum_steps",
+               "log_every", "eval_every", "checkpoint_every"):
+    if int(config[name]) < 1:
+      raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
+                     f"number of processes ({jax.process_count()}).")
+  local_rows = config.batch_size // jax.process_count()
+  if local_rows % jax.local_device_count():
+    raise ValueError(
+        f"config.batch_size={config.batch_size} gives {local_rows} rows per process, not "
+        f"divisible by the {jax.local_device_count()} local devices; use a multiple of "
+        f"{jax.device_count()}.")
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       *, quiet: bool = False) -> TrainResult:
+  """Trains `config` in `workdir`, resuming from its last checkpoint if any."""
+  from transformer import translation  # (imports decoding; kept out of the step code)
+
+  _check_config(config)
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  is_main = jax.process_index() == 0
+
+  train_pairs = data.load_split(config.data, "train")
+  eval_pairs = data.load_split(config.data, "eval")
+  tokenizer = get_tokenizer(config, workdir, train_pairs)
+  model_config = model_config_from(config, tokenizer.vocab_size)
+  if is_main:
+    write_json(os.path.join(workdir, CONFIG_FILE), config.to_dict())
+    write_json(os.path.join(workdir, MODEL_CONFIG_FILE), model_config.to_dict())
+
+  mesh = parallel.make_mesh()
+  replicated = parallel.replicated(mesh)
+  batch_sharding = NamedSharding(mesh, P(None, "data"))   # [accumulation, rows, length]
+  eval_sharding = NamedSharding(mesh, P("data"))
+  optimizer, schedule = make_optimizer(config, model_config.d_model)
+
+  state = jax.jit(lambda: create_train_state(model_config, optimizer, config.seed),
+                  out_shardings=replicated)()
+  process_index, process_count = parallel.process_info()
+  local_rows = config.batch_size // process_count
+  train_iter = data.train_iterator(
+      train_pairs, tokenizer, batch_size=local_rows, max_length=config.max_length,
+      seed=config.seed, shard_index=process_index, shard_count=process_count,
+      pack=config.pack)
+
+  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
+                                  save_every=config.checkpoint_every)
+  start_step = ckpt.latest_step() or 0
+  if start_step:
+    state, data_state = ckpt.restore(state)
+    if data_state is not None:
+      train_iter.set_state(data_state)
+    logger.info("Resumed from step %d in %s", start_step, workdir)
+
+  step_fn = jax.jit(
+      lambda s, b: train_step(s, b, model_config=model_config, optimizer=optimizer,
+                              schedule=schedule, label_smoothing=config.label_smoothing),
+      in_shardings=(replicated, batch_sharding), out_shardings=(replicated, replicated),
+      donate_argnums=0)
+  eval_fn = jax.jit(
+      lambda p, b: eval_step(p, b, model_config=model_config,
+                             label_smoothing=config.label_smoothing),
+      in_shardings=(replicated, eval_sharding), out_shardings=replicated)
+
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
+  progress = metrics_lib.progress_bar(start_step, config.num_train_steps,
+                                      enabled=is_main and not quiet)
+
+  def evaluate(params, step, final=False) -> dict[str, float]:
+    sums = None
+    eval_rows = config.eval_batch_size
+    for batch in data.eval_batches(eval_pairs[:config.num_eval_examples] if config.num_eval_examples
+                                   else eval_pairs, tokenizer, batch_size=eval_rows,
+                                   max_length=config.max_length):
+      batch.pop("weights")
+      out = eval_fn(params, _shard(batch, eval_sharding))
+      sums = out if sums is None else jax.tree_util.tree_map(jnp.add, sums, out)
+    result = summarize_sums(sums)
+    if config.num_bleu_examples:
+      translator = translation.Translator(model_config, params, tokenizer)
+      subset = list(eval_pairs[:config.num_bleu_examples])
+      hyps = translator.translate([s for s, _ in subset], method=config.eval_decode_method,
+                                  beam_size=config.eval_beam_size)
+      refs = [t for _, t in subset]
+      result["bleu"] = metrics_lib.bleu(hyps, refs)
+      result["exact_match"] = float(np.mean([h == r for h, r in zip(hyps, refs)]))
+      result["_samples"] = list(zip([s for s, _ in subset], refs, hyps))
+    writer.write(step, {k: v for k, v in result.items() if not k.startswith("_")},
+                 prefix="eval_averaged" if final else "eval")
+    return result
+
+  def check_finite(metrics, step):
+    loss = float(metrics["loss"])
+    if not math.isfinite(loss):
+      last = ckpt.latest_step()
+      raise TrainingDiverged(
+          f"The training loss became {loss} at step {step}. Stopped without saving; the "
+          f"last good checkpoint is {'step %d' % last if last else 'none'} in "
+          f"{os.path.join(workdir, checkpoints.CHECKPOINT_DIR)}. Lower the learning rate "
+          "(--config.learning_rate_scale), lengthen warm-up (--config.warmup_steps) or "
+          "set --config.grad_clip_norm, then run again: training resumes from there.")
+
+  def save(step, metrics, force=False):
+    check_finite(metrics, step)
+    ckpt.save(step, state, data_state=train_iter.get_state(), force=force)
+
+  step = start_step
+  train_summary: dict[str, float] = {}
+  eval_summary: dict[str, float] = {}
+  window, window_start, window_tokens = None, time.perf_counter(), 0.0
+  metrics = None
+  last_log_step = start_step
+  try:
+    while step < config.num_train_steps:
+      batch = _shard(_stack_micro_batches(train_iter, config.grad_accum_steps), batch_sharding)
+      state, metrics = step_fn(state, batch)
+      step += 1
+      window = metrics if window is None else jax.tree_util.tree_map(jnp.add, window, metrics)
+      progress.update(1)
+      if step % config.log_every == 0 or step == config.num_train_steps:
+        window = jax.device_get(window)
+        check_finite(window, step)
+        elapsed = time.perf_counter() - window_start
+        train_summary = summarize_sums(window)
+        n_steps, last_log_step = step - last_log_step, step
+        train_summary.update(
+            learning_rate=float(metrics["learning_rate"]),
+            grad_norm=float(metrics["grad_norm"]),
+            tokens_per_second=float(window["weight"]) / max(elapsed, 1e-9),
+            steps_per_second=n_steps / max(elapsed, 1e-9))
+        writer.write(step, train_summary, prefix="train")
+        progress.set_postfix(loss=f"{train_summary['loss']:.3f}",
+                             acc=f"{train_summary['accuracy']:.3f}")
+        window, window_start = None, time.perf_counter()
+      if step % config.eval_every == 0 and step != config.num_train_steps:
+        eval_summary = evaluate(state["params"], step)
+        progress.write(metrics_lib.format_eval(step, eval_summary))
+        window_start = time.perf_counter()
+      if ckpt.should_save(step) or step == config.num_train_steps:
+        save(step, metrics, force=step == config.num_train_steps)
+  except KeyboardInterrupt:
+    # Never lose work: keep what was trained so far (if it is sane), then stop.
+    if metrics is not None and step > (ckpt.latest_step() or 0):
+      progress.write(f"Interrupted: saving a checkpoint at step {step} ...")
+      save(step, metrics, force=True)
+    ckpt.close()
+    raise
+  finally:
+    progress.close()
+  ckpt.wait()
+
+  # The paper averages the last 5 (base) or 20 (big) checkpoints.
+  final_params = state["params"]
+  final_prefix_averaged = False
+  steps = ckpt.all_steps()
+  if config.average_last > 1 and len(steps) > 1:
+    averaged, averaged_steps = checkpoints.average_and_save(
+        workdir, state["params"], num=config.average_last)
+    final_params = parallel.replicate(averaged, mesh)
+    final_prefix_averaged = True
+    logger.info("Averaged checkpoints %s", averaged_steps)
+  ckpt.close()
+  eval_summary = evaluate(final_params, step, final=final_prefix_averaged)
+  writer.close()
+  samples = eval_summary.pop("_samples", [])
+  return TrainResult(step=step, train=train_summary,
+                     eval={k: v for k, v in eval_summary.items()},
+                     samples=samples, workdir=workdir)

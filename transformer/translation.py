@@ -1,0 +1,238 @@
+"""Batch translation: strings in, strings out, in order, nothing dropped.
+
+`Translator` ties the model (`model.py`), a decoding strategy (`decoding.py`)
+and the vocabulary (`tokenizer.py`) together. It is what `decode.py`, the
+training loop's BLEU evaluation and the notebook API use.
+
+How a list of sentences is decoded:
+  1. Tokenize; append EOS; inputs longer than the model's `max_len` are
+     truncated (counted in `last_stats["truncated"]`). Empty lines are not
+     decoded: they translate to "".
+  2. Sort by length and group into buckets of a few padded lengths (powers of
+     two), so that there are few shapes to compile; every batch of a bucket has
+     the same `[batch_size, bucket_length]` shape (short batches are padded with
+     empty rows, and the batch is a multiple of the local device count, over
+     which it is sharded).
+  3. Encode once per batch; compute every decoder layer's cross-attention
+     keys/values once (`Transformer.encoder_memory`); run the strategy over
+     `Transformer.decode_step` with a self-attention cache.
+  4. Put the results back in input order.
+
+The default output budget is the paper's: input length + 50 tokens (the input
+length rounded up to its bucket).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from transformer import decoding
+from transformer.model import Transformer, TransformerConfig, init_cache
+from transformer.tokenizer import Tokenizer
+
+METHODS = ("greedy", "beam", "sample")
+MIN_BUCKET = 8
+
+
+def bucket_length(length: int, max_length: int) -> int:
+  """The padded length for an input of `length` tokens: the next power of two
+  (at least MIN_BUCKET), capped at `max_length`."""
+  bucket = MIN_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, max_length)
+
+
+class Translator:
+  """Translates lists of sentences with a trained model.
+
+  Args:
+    model_config: the model's TransformerConfig.
+    params: its parameters.
+    tokenizer: the shared SentencePiece vocabulary.
+  Batches are sharded over this process's local devices.
+  """
+
+  def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer):
+    self.config = model_config
+    self.tokenizer = tokenizer
+    self.model = Transformer(model_config)
+    self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
+    if jax.process_count() > 1:  # global arrays -> this process's devices
+      from transformer import parallel
+      params = parallel.to_host(params)
+    self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+    self.last_stats: dict[str, float] = {}
+    self._compiled = {}
+
+  # -- the jitted decoder ----------------------------------------------------
+
+  def _decode_fn(self, method: str, batch: int, src_len: int, max_len: int,
+                 beam_size: int, top_k: int):
+    key = (method, batch, src_len, max_len, beam_size, top_k)
+    if key in self._compiled:
+      return self._compiled[key]
+    cfg, model = self.config, self.model
+
+    def run(params, inputs, rng, length_penalty, temperature, top_p, min_len):
+      encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
+      memory = model.apply({"params": params}, encoded, inputs,
+                           method=Transformer.encoder_memory)
+
+      def tokens_to_logits(token_ids, cache):
+        return model.apply({"params": params}, token_ids, cache, memory,
+                           method=Transformer.decode_step)
+
+      common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id,
+                    eos_id=cfg.eos_id, min_len=min_len)
+      cache = init_cache(cfg, batch, max_len)
+      if method == "beam":
+        return decoding.beam_search(tokens_to_logits, cache, beam_size=beam_size,
+                                    length_penalty=length_penalty, **common)
+      if method == "greedy":
+        seqs, scores = decoding.greedy_search(tokens_to_logits, cache, **common)
+      else:
+        seqs, scores = decoding.sample(tokens_to_logits, cache, rng=rng,
+                                       temperature=temperature, top_k=top_k,
+                                       top_p=top_p, **common)
+      return seqs[:, None], scores[:, None]
+
+    data = NamedSharding(self.mesh, P("data"))
+    replicated = NamedSharding(self.mesh, P())
+    fn = jax.jit(run, in_shardings=(replicated, data, replicated, replicated, replicated,
+                                    replicated, replicated),
+                 out_shardings=(data, data))
+    self._compiled[key] = fn
+    return fn
+
+  # -- the public API --------------------------------------------------------
+
+  def translate(self, sentences: Sequence[str], *, method: str = "beam",
+                beam_size: int = 4, length_penalty: float = 0.6,
+                max_len: int | None = None, extra_len: int = 50, min_len: int = 0,
+                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                seed: int = 0, n_best: int = 1, batch_size: int = 32,
+                progress: bool = False):
+    """Translates `sentences`.
+
+    Args:
+      sentences: source sentences (one per item; "" translates to "").
+      method: "greedy", "beam" or "sample".
+      beam_size, length_penalty: beam search (the paper: 4 and 0.6).
+      max_len: most tokens generated (EOS included); None: input length + extra_len.
+      min_len: fewest tokens before EOS may be generated.
+      temperature, top_k, top_p, seed: sampling (top_k 0 and top_p 1 disable them).
+      n_best: > 1 returns that many hypotheses per sentence (beam: the best
+        n_best of the beam, n_best <= beam_size; sample: n_best samples).
+      batch_size: sentences per decoding batch.
+      progress: show a tqdm bar on stderr.
+    Returns:
+      n_best == 1: a list of strings, one per input, in input order.
+      n_best > 1: a list (per input) of n_best (translation, score) pairs,
+      best first for beam search.
+    """
+    if method not in METHODS:
+      raise ValueError(f"method={method!r}: choose one of {METHODS}")
+    if n_best < 1 or (method == "beam" and n_best > beam_size):
+      raise ValueError(f"n_best={n_best} must be in [1, beam_size={beam_size}] for beam search")
+    if method == "greedy" and n_best > 1:
+      raise ValueError("n_best > 1 needs --method=beam or --method=sample")
+    if method == "sample" and temperature < 0:
+      raise ValueError(f"temperature={temperature} must be >= 0")
+    if not 0.0 < top_p <= 1.0:
+      raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    if top_k < 0 or batch_size < 1 or beam_size < 1:
+      raise ValueError("top_k must be >= 0, batch_size and beam_size >= 1")
+
+    start = time.perf_counter()
+    cfg, tok = self.config, self.tokenizer
+    limit = cfg.max_len
+    encoded, truncated = [], 0
+    for text in sentences:
+      ids = tok.encode(text) if text.strip() else []
+      if len(ids) + 1 > limit:
+        ids, truncated = ids[:limit - 1], truncated + 1
+      encoded.append(ids + [cfg.eos_id] if ids else [])
+
+    # Rows repeated for sampling several hypotheses.
+    copies = n_best if method == "sample" else 1
+    results: list[list[tuple[str, float]]] = [[("", 0.0)] * n_best for _ in sentences]
+    todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
+    devices = len(self.mesh.devices.flat)
+    rows = -(-batch_size // devices) * devices
+    buckets: dict[int, list[int]] = {}
+    for i in todo:
+      buckets.setdefault(bucket_length(len(encoded[i]), limit), []).append(i)
+
+    bar = tqdm.tqdm(total=len(todo), unit="sent", disable=not progress, desc="decode",
+                    dynamic_ncols=True)
+    generated = 0
+    rng = jax.random.key(seed)
+    for src_len, members in sorted(buckets.items()):
+      out_len = max_len if max_len is not None else src_len + extra_len
+      per_batch = max(1, rows // copies)
+      for b0 in range(0, len(members), per_batch):
+        chunk = members[b0:b0 + per_batch]
+        inputs = np.zeros((rows, src_len), np.int32)
+        for r, i in enumerate(chunk):
+          for c in range(copies):
+            inputs[r * copies + c, :len(encoded[i])] = encoded[i]
+        fn = self._decode_fn(method, rows, src_len, out_len, beam_size, top_k)
+        rng, step_rng = jax.random.split(rng)
+        seqs, scores = fn(self.params, inputs, step_rng, length_penalty, temperature,
+                          top_p, min_len)
+        seqs, scores = np.asarray(seqs), np.asarray(scores)
+        for r, i in enumerate(chunk):
+          hyps = []
+          if method == "sample":
+            cand = [(seqs[r * copies + c, 0], scores[r * copies + c, 0]) for c in range(copies)]
+          else:
+            cand = [(seqs[r, k], scores[r, k]) for k in range(n_best)]
+          for seq, score in cand:
+            generated += int(np.sum(seq != 0))
+            hyps.append((tok.decode(seq.tolist()), float(score)))
+          results[i] = hyps
+        bar.update(len(chunk))
+    bar.close()
+    elapsed = time.perf_counter() - start
+    self.last_stats = {"sentences": len(sentences), "decoded": len(todo),
+                       "truncated": truncated, "generated_tokens": generated,
+                       "seconds": elapsed,
+                       "tokens_per_second": generated / max(elapsed, 1e-9)}
+    if n_best == 1:
+      return [hyps[0][0] for hyps in results]
+    return results
+
+  def cross_attention(self, source: str, target: str | None = None):
+    """Encoder-decoder attention weights of one sentence pair.
+
+    If `target` is None, the sentence is first translated greedily.
+    Returns (source pieces, target pieces, weights `[layers, heads, tgt, src]`),
+    pieces including the EOS of the source and of the target.
+    """
+    if target is None:
+      target = self.translate([source], method="greedy")[0]
+    tok, cfg = self.tokenizer, self.config
+    src_ids = (tok.encode(source) + [cfg.eos_id])[-cfg.max_len:]
+    tgt_ids = (tok.encode(target) + [cfg.eos_id])[:cfg.max_len]
+    inputs = jnp.asarray([src_ids], jnp.int32)
+    targets = jnp.asarray([tgt_ids], jnp.int32)
+    decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=cfg.bos_id)[:, :-1]
+    params = jax.device_get(self.params)
+    _, state = self.model.apply({"params": params}, inputs, decoder_inputs,
+                                mutable=["intermediates"])
+    decoder = state["intermediates"]["decoder"]
+    if cfg.scan_layers:
+      weights = decoder["layers"]["cross_attention"]["attention_weights"][0][:, 0]
+    else:
+      weights = jnp.stack([decoder[f"layers_{i}"]["cross_attention"]["attention_weights"][0][0]
+                           for i in range(cfg.num_decoder_layers)])
+    return tok.pieces(src_ids), tok.pieces(tgt_ids), np.asarray(weights)
