@@ -1,0 +1,62 @@
+"""The Transformer of "Attention Is All You Need" in JAX/Flax.
+
+A notebook needs only this:
+
+    import transformer
+
+    config = transformer.demo_config(num_train_steps=600)     # ml_collections config
+    result = transformer.train(config, "runs/notebook")        # train (resumes if run again)
+    translator = transformer.load_translator("runs/notebook")
+    translator.translate(["forty-two red apples"], method="beam")
+    source, target, weights = translator.cross_attention("forty-two red apples")
+
+Or with sentence pairs held in memory:
+
+    transformer.train(config, "runs/mine", train_pairs=[("hello", "hallo"), ...],
+                      eval_pairs=[...])
+
+The building blocks live in the submodules: `transformer.model` (the Flax
+modules), `transformer.decoding` (greedy, beam search, sampling),
+`transformer.training`, `transformer.data`, `transformer.tokenizer`,
+`transformer.checkpoints`, `transformer.parallel`, `transformer.plotting`.
+"""
+
+from transformer.model import (MultiHeadAttention, Transformer, TransformerConfig,
+                               count_params, init_params, scaled_dot_product_attention,
+                               sinusoidal_positional_encoding)
+
+__all__ = [
+    "Transformer", "TransformerConfig", "MultiHeadAttention", "count_params",
+    "init_params", "scaled_dot_product_attention", "sinusoidal_positional_encoding",
+    "demo_config", "train", "load_translator", "Translator",
+]
+
+
+def demo_config(**overrides):
+  """The embedded demo's config (configs/default.py) with top-level fields
+  overridden, e.g. demo_config(num_train_steps=300). Nested fields:
+  config.model.d_model = 64 on the returned object."""
+  from configs import default
+  config = default.get_config()
+  config.update(overrides)
+  return config
+
+
+def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: bool = False):
+  """Trains (or resumes) into `workdir`; returns a `training.TrainResult`."""
+  from transformer import training
+  return training.train_and_evaluate(config, workdir, quiet=quiet,
+                                     train_pairs=train_pairs, eval_pairs=eval_pairs)
+
+
+def load_translator(workdir: str, checkpoint="auto"):
+  """A `translation.Translator` for a trained workdir."""
+  from transformer import translation
+  return translation.load_translator(workdir, checkpoint)
+
+
+def __getattr__(name):
+  if name == "Translator":
+    from transformer.translation import Translator
+    return Translator
+  raise AttributeError(name)

@@ -291,8 +291,13 @@ def _check_config(config) -> None:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       *, quiet: bool = False) -> TrainResult:
-  """Trains `config` in `workdir`, resuming from its last checkpoint if any."""
+                       *, quiet: bool = False, train_pairs=None,
+                       eval_pairs=None) -> TrainResult:
+  """Trains `config` in `workdir`, resuming from its last checkpoint if any.
+
+  `train_pairs` / `eval_pairs` (sequences of (source, target) strings) replace
+  the data source of `config.data`, e.g. for sentence pairs held in memory.
+  """
   from transformer import translation  # (imports decoding; kept out of the step code)
 
   _check_config(config)
@@ -300,8 +305,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   os.makedirs(workdir, exist_ok=True)
   is_main = jax.process_index() == 0
 
-  train_pairs = data.load_split(config.data, "train")
-  eval_pairs = data.load_split(config.data, "eval")
+  if train_pairs is None:
+    train_pairs = data.load_split(config.data, "train")
+  if eval_pairs is None:
+    eval_pairs = data.load_split(config.data, "eval")
   tokenizer = get_tokenizer(config, workdir, train_pairs)
   model_config = model_config_from(config, tokenizer.vocab_size)
   if is_main:

@@ -236,3 +236,29 @@ class Translator:
       weights = jnp.stack([decoder[f"layers_{i}"]["cross_attention"]["attention_weights"][0][0]
                            for i in range(cfg.num_decoder_layers)])
     return tok.pieces(src_ids), tok.pieces(tgt_ids), np.asarray(weights)
+
+
+def load_translator(workdir: str, checkpoint: str | int = "auto") -> Translator:
+  """A Translator for a workdir written by train.py.
+
+  Args:
+    workdir: holds model_config.json, vocab.model and checkpoints.
+    checkpoint: "auto" (the averaged checkpoint if any, else the latest),
+      "averaged", "latest", or a step number.
+  Raises:
+    FileNotFoundError naming what is missing (and that train.py writes it).
+  """
+  import os
+  from transformer import checkpoints, tokenizer as tokenizer_lib, training
+  from transformer.model import init_params
+
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"workdir {workdir} does not exist; train a model first: "
+                            f"python train.py --workdir={workdir}")
+  model_config = training.load_model_config(workdir)
+  tokenizer = tokenizer_lib.load_tokenizer(os.path.join(workdir, training.VOCAB_FILE))
+  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
+  if isinstance(checkpoint, str) and checkpoint.isdigit():
+    checkpoint = int(checkpoint)
+  params = checkpoints.load_params(workdir, target, which=checkpoint)
+  return Translator(model_config, params, tokenizer)
