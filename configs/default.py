@@ -23,12 +23,15 @@ def get_config() -> ml_collections.ConfigDict:
       tfds_test_split="test", source_lang="en", target_lang="de", tfds_data_dir="",
   ))
   config.vocab_path = ""        # empty: train SentencePiece into <workdir>/vocab.model
-  config.vocab_size = 256       # pieces of the trained vocabulary (a soft limit)
+  config.vocab_size = 400       # pieces of the trained vocabulary (a soft limit)
+  # BPE splits the demo's compounds into morpheme-like pieces
+  # ("dreihundert zwei undvierzig"); "unigram" is SentencePiece's default.
+  config.vocab_model_type = "bpe"
 
   # Batches: `batch_size` rows of `max_length` tokens (packed), per update
   # `grad_accum_steps` of them.
   config.batch_size = 64
-  config.max_length = 48
+  config.max_length = 32
   config.pack = True
   config.grad_accum_steps = 1
 

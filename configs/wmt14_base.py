@@ -26,6 +26,7 @@ def get_config():
   config.data.source_lang = "en"
   config.data.target_lang = "de"
   config.vocab_size = 37000                    # shared source-target vocabulary
+  config.vocab_model_type = "bpe"              # the paper: byte-pair encoding
   config.vocab_max_sentences = 2_000_000
 
   config.batch_size = 96

@@ -221,7 +221,7 @@ def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
     logger.info("Training a SentencePiece vocabulary of %d pieces -> %s", config.vocab_size, path)
     tokenizer_lib.train_tokenizer(
         data.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
-        path, config.vocab_size)
+        path, config.vocab_size, model_type=config.get("vocab_model_type", "unigram"))
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("vocabulary written")
