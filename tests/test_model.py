@@ -14,6 +14,10 @@ TINY = dict(vocab_size=40, d_model=32, num_heads=4, d_ff=64,
             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
 
 
+# Compilation dominates these tests; XLA's -O0 compiles several times faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
 def tiny_config(**changes):
   return M.TransformerConfig(**{**TINY, **changes})
 
@@ -22,7 +26,7 @@ def tiny_config(**changes):
 def _jitted_forward(cfg, deterministic):
   def run(p, s, d, kw, r):
     return M.Transformer(cfg, deterministic).apply({"params": p}, s, d, rngs=r, **kw)
-  return jax.jit(run)
+  return jax.jit(run, compiler_options=FAST_COMPILE)
 
 
 def forward(cfg, params, src, dec_in, deterministic=True, rngs=None, **kwargs):
@@ -277,12 +281,12 @@ def test_packed_row_equals_separate_examples():
 def incremental_logits(cfg, params, src, dec_in, beams=1):
   """Runs decode_step one position at a time (optionally with beams sharing memory)."""
   model = M.Transformer(cfg)
-  memory = jax.jit(lambda p, s: model.apply(
+  memory = jax.jit(compiler_options=FAST_COMPILE)(lambda p, s: model.apply(
       {"params": p}, model.apply({"params": p}, s, method=M.Transformer.encode), s,
       method=M.Transformer.encoder_memory))(params, src)
   flat = jnp.repeat(dec_in, beams, axis=0)
   cache = M.init_cache(cfg, flat.shape[0], dec_in.shape[1])
-  step = jax.jit(lambda t, c: model.apply({"params": params}, t, c, memory,
+  step = jax.jit(compiler_options=FAST_COMPILE)(lambda t, c: model.apply({"params": params}, t, c, memory,
                                           method=M.Transformer.decode_step))
   outs = []
   for t in range(dec_in.shape[1]):
@@ -327,7 +331,7 @@ def test_scan_layers_and_remat_compute_the_same_function():
                              forward(base, unrolled, src, dec_in), atol=1e-5)
 
   def grad(cfg, p):
-    return jax.jit(jax.grad(lambda p: M.Transformer(cfg).apply({"params": p}, src, dec_in).sum()))(p)
+    return jax.jit(compiler_options=FAST_COMPILE)(jax.grad(lambda p: M.Transformer(cfg).apply({"params": p}, src, dec_in).sum()))(p)
   g_scan = unstack_scanned(grad(scanned, params), base)
   g_loop = grad(base, unrolled)
   for a, b in zip(jax.tree_util.tree_leaves(g_scan), jax.tree_util.tree_leaves(g_loop)):
@@ -351,7 +355,7 @@ def test_attention_weights_are_sown():
   cfg = tiny_config()
   params = M.init_params(cfg, jax.random.key(5))
   src, tgt = random_batch(cfg, np.random.default_rng(10))
-  _, state = jax.jit(lambda p: M.Transformer(cfg).apply(
+  _, state = jax.jit(compiler_options=FAST_COMPILE)(lambda p: M.Transformer(cfg).apply(
       {"params": p}, src, M.shift_right(tgt, 2), mutable=["intermediates"]))(params)
   cross = state["intermediates"]["decoder"]["layers_1"]["cross_attention"]["attention_weights"][0]
   assert cross.shape == (3, cfg.num_heads, tgt.shape[1], src.shape[1])
