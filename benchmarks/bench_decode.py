@@ -1,0 +1,97 @@
+"""Decoding speed: sentences/s and generated tokens/s of greedy and beam search.
+
+    python benchmarks/bench_decode.py                       # S and B, greedy and beam 4
+    python benchmarks/bench_decode.py --early_exit_workdir=runs/demo
+
+The project's fixed work: random weights (float32), 16 source sentences of 32
+tokens, exactly 64 generated tokens each (min_len = max_len = 64 keeps EOS from
+ending the search, so every run does the same work). The jitted function is
+the one `decode.py` runs (`Translator._decode_fn`): encoder once, cross-
+attention keys/values once per input, then the scan-based strategy.
+
+With --early_exit_workdir (a trained demo workdir), it also times beam search
+over the demo test set with and without early exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks import common
+from transformer import model as model_lib
+from transformer.translation import Translator
+
+NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
+
+
+def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
+  config, *_ = common.SHAPES[shape]()
+  config = config.replace(max_len=128)
+  params = model_lib.init_params(config, jax.random.key(0))
+  translator = Translator(config, params, tokenizer=None)
+  fn = translator._decode_fn(method, NUM_SENTENCES, SRC_LEN, GEN_LEN, beam_size, 0)
+  inputs = np.asarray(jax.random.randint(jax.random.key(1), (NUM_SENTENCES, SRC_LEN), 3,
+                                         config.vocab_size))
+  args = (translator.params, inputs, jax.random.key(2), 0.6, 1.0, 1.0, GEN_LEN)
+  start = time.perf_counter()
+  compiled = fn.lower(*args).compile()
+  compile_s = time.perf_counter() - start
+  seqs, _ = compiled(*args)
+  assert int(np.sum(np.asarray(seqs)[:, 0] != 0)) == NUM_SENTENCES * GEN_LEN, "EOS ended early"
+  seconds, _ = common.time_fn(lambda: compiled(*args), repeats=repeats, warmup=1)
+  return {"shape": shape, "method": f"beam {beam_size}" if method == "beam" else method,
+          "seconds": seconds, "sentences_per_s": NUM_SENTENCES / seconds,
+          "tokens_per_s": NUM_SENTENCES * GEN_LEN / seconds, "compile_s": compile_s}
+
+
+def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
+  from transformer import data
+  from transformer.translation import load_translator
+  translator = load_translator(workdir)
+  sources = [s for s, _ in data.demo_splits()["test"]]
+  times = {}
+  outputs = {}
+  for early_exit in (True, False):
+    translator.translate(sources[:64], method="beam", beam_size=beam_size,
+                         early_exit=early_exit)  # compile
+    start = time.perf_counter()
+    outputs[early_exit] = translator.translate(sources, method="beam", beam_size=beam_size,
+                                               early_exit=early_exit)
+    times[early_exit] = time.perf_counter() - start
+  assert outputs[True] == outputs[False]
+  return (f"early exit on {len(sources)} demo test sentences (beam {beam_size}, max length "
+          f"= input bucket + 50): {times[False]:.2f} s without, {times[True]:.2f} s with "
+          f"({times[False] / times[True]:.1f}x faster, identical output)")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shapes", default="S,B")
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--early_exit_workdir", default="")
+  args = parser.parse_args()
+  rows = []
+  for shape in args.shapes.split(","):
+    rows.append(bench(shape, "greedy", 1, args.repeats))
+    rows.append(bench(shape, "beam", 4, args.repeats))
+  print(f"\n{common.machine_load()}; jax {jax.__version__}, {jax.devices()[0].platform}; "
+        f"{NUM_SENTENCES} sentences x {SRC_LEN} source tokens -> {GEN_LEN} tokens")
+  print("\n| shape | method | sentences/s | generated tokens/s | batch time (s) | compile (s) |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['shape']} | {r['method']} | {r['sentences_per_s']:.1f} | "
+          f"{r['tokens_per_s']:.0f} | {r['seconds']:.3f} | {r['compile_s']:.1f} |")
+  if args.early_exit_workdir:
+    print("\n" + early_exit_saving(args.early_exit_workdir))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,95 @@
+"""Training throughput and model FLOPs utilisation (MFU) on shapes S and B.
+
+    python benchmarks/bench_train.py                 # S and B, dropout 0.1
+    python benchmarks/bench_train.py --shapes S --repeats 10
+
+One full training step as train.py runs it (Adam, the paper's schedule, label
+smoothing 0.1, dropout 0.1, packed-batch masks), on a fixed random batch with
+no padding. MFU = model FLOPs per step (benchmarks/common.py:
+training_flops_per_step) / step time / the float32 matmul peak measured in the
+same run. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from benchmarks import common
+from transformer import training
+
+
+def optimizer_config(warmup_steps=4000):
+  return ml_collections.ConfigDict(dict(
+      warmup_steps=warmup_steps, learning_rate_scale=1.0, adam_b1=0.9, adam_b2=0.98,
+      adam_eps=1e-9, grad_clip_norm=0.0))
+
+
+def make_batch(config, batch, src_len, tgt_len):
+  inputs, targets = common.random_batch(config, batch, src_len, tgt_len)
+  ones = lambda x: jnp.ones_like(x)
+  positions = lambda x: jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+  b = {"inputs": inputs, "targets": targets,
+       "inputs_segment_ids": ones(inputs), "targets_segment_ids": ones(targets),
+       "inputs_positions": positions(inputs), "targets_positions": positions(targets)}
+  return {k: v[None] for k, v in b.items()}  # [accumulation=1, rows, length]
+
+
+def bench_shape(name, dropout, repeats, peak):
+  config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
+  optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
+  state = training.create_train_state(config, optimizer, seed=0)
+  step = jax.jit(lambda s, b: training.train_step(
+      s, b, model_config=config, optimizer=optimizer, schedule=schedule,
+      label_smoothing=0.1), donate_argnums=0)
+  data = make_batch(config, batch, src_len, tgt_len)
+  start = time.perf_counter()
+  compiled = step.lower(state, data).compile()
+  compile_s = time.perf_counter() - start
+  holder = {"state": state}
+
+  def run():
+    holder["state"], metrics = compiled(holder["state"], data)
+    return metrics
+  timing = common.time_fn_detailed(run, repeats=repeats, warmup=2)
+  flops = common.training_flops_per_step(config, batch, src_len, tgt_len)
+  step_s = timing["median_s"]
+  return {"shape": name, "dropout": dropout, "compile_s": compile_s, "step_s": step_s,
+          "target_tokens_per_s": batch * tgt_len / step_s, "gflops_per_step": flops / 1e9,
+          "achieved_gflops": flops / step_s / 1e9, "mfu": flops / step_s / peak,
+          "step_cpu_s": timing["median_cpu_s"]}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--shapes", default="S,B")
+  parser.add_argument("--dropout", type=float, default=0.1)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--json", default="")
+  args = parser.parse_args()
+  peak, n = common.measure_matmul_peak()
+  rows = [bench_shape(s, args.dropout, args.repeats, peak) for s in args.shapes.split(",")]
+  print(f"\nfloat32 matmul peak: {peak / 1e9:.1f} GFLOP/s (n={n}); {common.machine_load()}; "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}")
+  print("\n| shape | dropout | step (s) | target tokens/s | GFLOP/step | GFLOP/s | MFU | compile (s) |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['shape']} | {r['dropout']} | {r['step_s']:.3f} | {r['target_tokens_per_s']:.0f} "
+          f"| {r['gflops_per_step']:.1f} | {r['achieved_gflops']:.1f} | {r['mfu']:.0%} "
+          f"| {r['compile_s']:.1f} |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"peak_flops": peak, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
