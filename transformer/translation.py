@@ -76,8 +76,11 @@ class Translator:
   # -- the jitted decoder ----------------------------------------------------
 
   def _decode_fn(self, method: str, batch: int, src_len: int, max_len: int,
-                 beam_size: int, top_k: int):
-    key = (method, batch, src_len, max_len, beam_size, top_k)
+                 beam_size: int, top_k: int, early_exit: bool = True):
+    """The jitted decoder of one batch shape:
+    (params, inputs [batch, src_len], rng, length_penalty, temperature, top_p,
+    min_len) -> (sequences [batch, n, max_len], scores [batch, n])."""
+    key = (method, batch, src_len, max_len, beam_size, top_k, early_exit)
     if key in self._compiled:
       return self._compiled[key]
     cfg, model = self.config, self.model
@@ -96,7 +99,8 @@ class Translator:
       cache = init_cache(cfg, batch, max_len)
       if method == "beam":
         return decoding.beam_search(tokens_to_logits, cache, beam_size=beam_size,
-                                    length_penalty=length_penalty, **common)
+                                    length_penalty=length_penalty,
+                                    early_exit=early_exit, **common)
       if method == "greedy":
         seqs, scores = decoding.greedy_search(tokens_to_logits, cache, **common)
       else:
@@ -120,7 +124,7 @@ class Translator:
                 max_len: int | None = None, extra_len: int = 50, min_len: int = 0,
                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                 seed: int = 0, n_best: int = 1, batch_size: int = 32,
-                progress: bool = False):
+                progress: bool = False, early_exit: bool = True):
     """Translates `sentences`.
 
     Args:
@@ -134,6 +138,8 @@ class Translator:
         n_best of the beam, n_best <= beam_size; sample: n_best samples).
       batch_size: sentences per decoding batch.
       progress: show a tqdm bar on stderr.
+      early_exit: stop a batch's beam search once no hypothesis can change
+        (same results, less time; False runs every step, for benchmarks).
     Returns:
       n_best == 1: a list of strings, one per input, in input order.
       n_best > 1: a list (per input) of n_best (translation, score) pairs,
@@ -167,7 +173,8 @@ class Translator:
     results: list[list[tuple[str, float]]] = [[("", 0.0)] * n_best for _ in sentences]
     todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
     devices = len(self.mesh.devices.flat)
-    rows = -(-batch_size // devices) * devices
+    # At least one input's `copies` sample rows must fit in a batch.
+    rows = -(-max(batch_size, copies) // devices) * devices
     buckets: dict[int, list[int]] = {}
     for i in todo:
       buckets.setdefault(bucket_length(len(encoded[i]), limit), []).append(i)
@@ -178,6 +185,8 @@ class Translator:
     rng = jax.random.key(seed)
     for src_len, members in sorted(buckets.items()):
       out_len = max_len if max_len is not None else src_len + extra_len
+      if cfg.positional == "learned":  # no position embedding past cfg.max_len (NaN)
+        out_len = min(out_len, cfg.max_len)
       per_batch = max(1, rows // copies)
       for b0 in range(0, len(members), per_batch):
         chunk = members[b0:b0 + per_batch]
@@ -185,7 +194,7 @@ class Translator:
         for r, i in enumerate(chunk):
           for c in range(copies):
             inputs[r * copies + c, :len(encoded[i])] = encoded[i]
-        fn = self._decode_fn(method, rows, src_len, out_len, beam_size, top_k)
+        fn = self._decode_fn(method, rows, src_len, out_len, beam_size, top_k, early_exit)
         rng, step_rng = jax.random.split(rng)
         seqs, scores = fn(self.params, inputs, step_rng, length_penalty, temperature,
                           top_p, min_len)
@@ -216,26 +225,47 @@ class Translator:
 
     If `target` is None, the sentence is first translated greedily.
     Returns (source pieces, target pieces, weights `[layers, heads, tgt, src]`),
-    pieces including the EOS of the source and of the target.
+    pieces including the EOS of the source and of the target. An over-long
+    source is truncated as `translate` does (its start is kept).
     """
     if target is None:
       target = self.translate([source], method="greedy")[0]
     tok, cfg = self.tokenizer, self.config
-    src_ids = (tok.encode(source) + [cfg.eos_id])[-cfg.max_len:]
+    src_ids = tok.encode(source)[:cfg.max_len - 1] + [cfg.eos_id]
     tgt_ids = (tok.encode(target) + [cfg.eos_id])[:cfg.max_len]
-    inputs = jnp.asarray([src_ids], jnp.int32)
-    targets = jnp.asarray([tgt_ids], jnp.int32)
-    decoder_inputs = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=cfg.bos_id)[:, :-1]
-    params = jax.device_get(self.params)
-    _, state = self.model.apply({"params": params}, inputs, decoder_inputs,
-                                mutable=["intermediates"])
-    decoder = state["intermediates"]["decoder"]
-    if cfg.scan_layers:
-      weights = decoder["layers"]["cross_attention"]["attention_weights"][0][:, 0]
-    else:
-      weights = jnp.stack([decoder[f"layers_{i}"]["cross_attention"]["attention_weights"][0][0]
-                           for i in range(cfg.num_decoder_layers)])
-    return tok.pieces(src_ids), tok.pieces(tgt_ids), np.asarray(weights)
+    # Padded to bucket lengths, so that few shapes are compiled; padded source
+    # keys get zero weight and padded target queries come after the real ones
+    # (causal), so the sliced weights are those of the unpadded pair.
+    src_len = bucket_length(len(src_ids), cfg.max_len)
+    tgt_len = bucket_length(len(tgt_ids), cfg.max_len)
+    inputs = np.full((1, src_len), cfg.pad_id, np.int32)
+    inputs[0, :len(src_ids)] = src_ids
+    decoder_inputs = np.full((1, tgt_len), cfg.pad_id, np.int32)
+    decoder_inputs[0, :len(tgt_ids)] = [cfg.bos_id] + tgt_ids[:-1]
+    weights = self._cross_attention_fn()(self.params, inputs, decoder_inputs)
+    weights = np.asarray(weights)[:, :, :len(tgt_ids), :len(src_ids)]
+    return tok.pieces(src_ids), tok.pieces(tgt_ids), weights
+
+  def _cross_attention_fn(self):
+    """Jitted (params, inputs [1, src], decoder_inputs [1, tgt]) -> `[layers, heads, tgt, src]`."""
+    if "cross_attention" in self._compiled:
+      return self._compiled["cross_attention"]
+    cfg, model = self.config, self.model
+
+    def run(params, inputs, decoder_inputs):
+      _, state = model.apply({"params": params}, inputs, decoder_inputs,
+                             mutable=["intermediates"])
+      decoder = state["intermediates"]["decoder"]
+      if cfg.scan_layers:
+        return decoder["layers"]["cross_attention"]["attention_weights"][0][:, 0]
+      return jnp.stack([decoder[f"layers_{i}"]["cross_attention"]["attention_weights"][0][0]
+                        for i in range(cfg.num_decoder_layers)])
+
+    replicated = NamedSharding(self.mesh, P())
+    fn = jax.jit(run, in_shardings=(replicated, replicated, replicated),
+                 out_shardings=replicated)
+    self._compiled["cross_attention"] = fn
+    return fn
 
 
 def load_translator(workdir: str, checkpoint: str | int = "auto") -> Translator:

@@ -1,0 +1,477 @@
+"""Translate text with a model trained by train.py.
+
+    python decode.py --workdir=runs/demo --input=in.txt --output=out.txt --beam_size=4
+    echo "twenty-one old houses" | python decode.py --workdir=runs/demo
+    python decode.py --workdir=runs/demo --method=sample --top_p=0.9 --n_best=3 < in.txt
+    python decode.py --workdir=runs/demo --input=in.txt --plot_attention=plots/
+
+One line in, one line out: N input lines give exactly N output lines, in input
+order (the last line counts even without a final newline); an empty (or
+blank) line gives an empty line. With --n_best > 1 the hypotheses of one input
+share its output line, tab-separated, best first. When --output is a file it is
+written under a temporary name and renamed at the end, so an interrupted or
+failed run never leaves half a file.
+
+The workdir is what train.py wrote: model_config.json, vocab.model (or the
+config's vocab_path) and checkpoints/ (and checkpoints_averaged/). By default
+the averaged checkpoint is used if there is one, else the latest.
+
+--plot_attention=DIR writes DIR/<line number>.png for every non-empty input
+line (numbered from 1): the encoder-decoder (cross) attention of its
+translation (the best hypothesis), one heat-map panel per decoder layer with
+that layer's heads averaged, source pieces on the x axis and target pieces on
+the y axis (see transformer/plotting.py; the notebook also shows single heads).
+
+Progress and a one-line summary (sentences, generated tokens, tokens/s,
+seconds, truncated over-long inputs) go to stderr. Exit status: 0 on success,
+2 for a bad flag value or unreadable input, 1 when the workdir cannot be used
+(missing files or checkpoint) or decoding fails; the error is one line on
+stderr that names the flag, file or line at fault and what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+from absl import app, flags
+from absl import logging as absl_logging
+
+METHODS = ("greedy", "beam", "sample")
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "
+    "checkpoints/). Required.")
+_INPUT = flags.DEFINE_string(
+    "input", None, "Text file to translate, one sentence per line (UTF-8). Default "
+    "(or '-'): standard input.")
+_OUTPUT = flags.DEFINE_string(
+    "output", None, "Where to write the translations, one line per input line. Default "
+    "(or '-'): standard output. A file is written atomically (temp file + rename).")
+_METHOD = flags.DEFINE_string(
+    "method", "beam", "Decoding strategy: greedy | beam | sample.")
+_BEAM_SIZE = flags.DEFINE_integer(
+    "beam_size", 4, "Beam search: hypotheses kept per sentence (the paper: 4).")
+_LENGTH_PENALTY = flags.DEFINE_float(
+    "length_penalty", 0.6, "Beam search: alpha of the GNMT length penalty "
+    "((5 + length) / 6)^alpha (the paper: 0.6; 0 = none).")
+_MAX_LEN = flags.DEFINE_integer(
+    "max_len", None, "Most tokens generated per sentence (EOS included). Default: the "
+    "input length + 50, as in the paper (input length rounded up to its bucket).")
+_MIN_LEN = flags.DEFINE_integer(
+    "min_len", 0, "Fewest tokens generated before EOS is allowed.")
+_TEMPERATURE = flags.DEFINE_float(
+    "temperature", 1.0, "Sampling: divide the logits by this (0 = greedy).")
+_TOP_K = flags.DEFINE_integer(
+    "top_k", 0, "Sampling: draw only from the k most probable tokens (0 = off).")
+_TOP_P = flags.DEFINE_float(
+    "top_p", 1.0, "Sampling: draw only from the smallest set of tokens whose "
+    "probability reaches p (nucleus sampling), in (0, 1]; 1 = off.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling: random seed.")
+_N_BEST = flags.DEFINE_integer(
+    "n_best", 1, "Hypotheses per sentence, tab-separated on its line, best first "
+    "(beam: <= --beam_size; sample: that many samples, ranked by model score).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.")
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", "auto", "Which parameters: auto (the averaged checkpoint if there is "
+    "one, else the latest) | averaged | latest | <step number>.")
+_PLOT_ATTENTION = flags.DEFINE_string(
+    "plot_attention", None, "Directory: write <DIR>/<line number>.png for each non-empty "
+    "input line, the encoder-decoder attention of its translation as heat maps, one "
+    "panel per decoder layer (heads averaged), source pieces on x, target pieces on y.")
+_QUIET = flags.DEFINE_bool("quiet", False, "No progress bar and no summary line "
+                           "(warnings and errors are still printed).")
+
+
+class UsageError(Exception):
+  """A bad flag value or unreadable input (exit status 2)."""
+
+
+class WorkdirError(Exception):
+  """The workdir cannot be used, or decoding failed (exit status 1)."""
+
+
+def _train_hint(workdir: str) -> str:
+  return f"train a model first: python train.py --workdir={workdir}"
+
+
+# ----------------------------------------------------------------------------
+# Flags
+# ----------------------------------------------------------------------------
+
+
+def check_flags() -> None:
+  """Raises UsageError naming the first flag with a bad value."""
+  def bad(flag, value, problem):
+    raise UsageError(f"--{flag}={value}: {problem}")
+
+  if not _WORKDIR.value:
+    raise UsageError("--workdir is required: the directory train.py wrote "
+                     "(e.g. --workdir=runs/demo)")
+  method = _METHOD.value
+  if method not in METHODS:
+    bad("method", method, f"unknown decoding method; choose one of {', '.join(METHODS)}")
+  if _BEAM_SIZE.value < 1:
+    bad("beam_size", _BEAM_SIZE.value, "must be >= 1")
+  if _N_BEST.value < 1:
+    bad("n_best", _N_BEST.value, "must be >= 1")
+  if method == "beam" and _N_BEST.value > _BEAM_SIZE.value:
+    bad("n_best", _N_BEST.value, f"must be <= --beam_size={_BEAM_SIZE.value} (beam "
+        "search keeps --beam_size hypotheses); raise --beam_size or lower --n_best")
+  if method == "greedy" and _N_BEST.value > 1:
+    bad("n_best", _N_BEST.value, "greedy search has one hypothesis; use --method=beam "
+        "or --method=sample for several")
+  if not 0.0 < _TOP_P.value <= 1.0:
+    bad("top_p", _TOP_P.value, "must be in (0, 1] (1 = no nucleus filtering)")
+  if _TOP_K.value < 0:
+    bad("top_k", _TOP_K.value, "must be >= 0 (0 = no top-k filtering)")
+  if _TEMPERATURE.value < 0:
+    bad("temperature", _TEMPERATURE.value, "must be >= 0 (0 = greedy)")
+  if _LENGTH_PENALTY.value < 0:
+    bad("length_penalty", _LENGTH_PENALTY.value, "must be >= 0 (0 = no length penalty)")
+  if _MAX_LEN.value is not None and _MAX_LEN.value < 1:
+    bad("max_len", _MAX_LEN.value, "must be >= 1")
+  if _MIN_LEN.value < 0:
+    bad("min_len", _MIN_LEN.value, "must be >= 0")
+  if _MAX_LEN.value is not None and _MIN_LEN.value >= _MAX_LEN.value:
+    bad("min_len", _MIN_LEN.value, f"must be < --max_len={_MAX_LEN.value}")
+  if _BATCH_SIZE.value < 1:
+    bad("batch_size", _BATCH_SIZE.value, "must be >= 1")
+  which = _CHECKPOINT.value
+  if which not in ("auto", "averaged", "latest") and not (which.isascii() and which.isdigit()):
+    bad("checkpoint", which, "choose auto, averaged, latest or a step number")
+
+
+# ----------------------------------------------------------------------------
+# Input and output
+# ----------------------------------------------------------------------------
+
+
+def split_lines(data: bytes, name: str) -> list[str]:
+  """UTF-8 bytes -> lines. A final line without a newline counts; a trailing
+  newline does not start another line; '\\r\\n' endings are accepted.
+
+  Raises UsageError naming `name` and the 1-based line of a non-UTF-8 byte.
+  """
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data.count(b"\n", 0, e.start) + 1
+    column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+    raise UsageError(
+        f"{name}, line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
+        f"{column} of the line); convert the input to UTF-8, e.g. "
+        f"iconv -f latin1 -t utf-8") from None
+  if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the text
+    text = text[1:]
+  if not text:
+    return []
+  lines = text.split("\n")
+  if lines[-1] == "":
+    lines.pop()
+  return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def read_input(path: str | None) -> tuple[list[str], str]:
+  if path in (None, "-"):
+    name = "<stdin>"
+    data = sys.stdin.buffer.read()
+  else:
+    name = path
+    try:
+      with open(path, "rb") as f:
+        data = f.read()
+    except FileNotFoundError:
+      raise UsageError(f"--input={path}: no such file") from None
+    except IsADirectoryError:
+      raise UsageError(f"--input={path}: is a directory, not a text file") from None
+    except OSError as e:
+      raise UsageError(f"--input={path}: cannot read it ({e.strerror})") from None
+  return split_lines(data, name), name
+
+
+def check_output_path(path: str | None) -> None:
+  """Fails early (before loading the model) when the output cannot be written."""
+  if path in (None, "-"):
+    return
+  if os.path.isdir(path):
+    raise UsageError(f"--output={path}: is a directory; give a file name")
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    raise UsageError(f"--output={path}: directory {directory} does not exist")
+  if not os.access(directory, os.W_OK):
+    raise UsageError(f"--output={path}: cannot write in {directory}")
+
+
+def _one_line(text: str, tabs: bool) -> str:
+  """A translation that cannot break the one-line-per-input format."""
+  text = text.replace("\r", " ").replace("\n", " ")
+  return text.replace("\t", " ") if tabs else text
+
+
+def format_lines(sources: list[str], results, n_best: int) -> list[str]:
+  """One output line per source: the translation, or its n_best hypotheses
+  joined by tabs; an empty (blank) source gives an empty line."""
+  if n_best == 1:
+    return [_one_line(t, tabs=False) for t in results]
+  return ["\t".join(_one_line(t, tabs=True) for t, _ in hyps) if src.strip() else ""
+          for src, hyps in zip(sources, results)]
+
+
+def write_output(lines: list[str], path: str | None) -> None:
+  """Writes one line per item; a file atomically (temp file in the same
+  directory, fsync, rename), stdout at once."""
+  text = "".join(line + "\n" for line in lines)
+  if path in (None, "-"):
+    try:
+      sys.stdout.write(text)
+      sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `| head`: the reader left, nothing to report
+      devnull = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(devnull, sys.stdout.fileno())
+    return
+  directory = os.path.dirname(os.path.abspath(path))
+  tmp = None
+  try:
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
+    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+  except BaseException as e:
+    if tmp is not None and os.path.exists(tmp):
+      os.remove(tmp)
+    if isinstance(e, OSError):
+      raise WorkdirError(f"--output={path}: cannot write it ({e.strerror or e}); "
+                         "nothing was written") from None
+    raise
+
+
+# ----------------------------------------------------------------------------
+# The workdir
+# ----------------------------------------------------------------------------
+
+
+def find_workdir_files(workdir: str) -> tuple[str, str]:
+  """(model_config.json path, vocabulary path), or WorkdirError naming what is missing."""
+  if not os.path.isdir(workdir):
+    raise WorkdirError(f"--workdir={workdir}: no such directory; {_train_hint(workdir)}")
+  model_config = os.path.join(workdir, "model_config.json")
+  if not os.path.exists(model_config):
+    raise WorkdirError(f"{model_config} not found: {workdir} is not a workdir written by "
+                       f"train.py; {_train_hint(workdir)}")
+  vocab = os.path.join(workdir, "vocab.model")
+  if os.path.exists(vocab):
+    return model_config, vocab
+  # A run trained with config.vocab_path reads its vocabulary from there.
+  vocab_path = ""
+  try:
+    with open(os.path.join(workdir, "config.json")) as f:
+      vocab_path = json.load(f).get("vocab_path") or ""
+  except (OSError, ValueError):
+    pass
+  if vocab_path and os.path.exists(vocab_path):
+    return model_config, vocab_path
+  also = f" (nor the config's vocab_path {vocab_path})" if vocab_path else ""
+  raise WorkdirError(f"{vocab} not found{also}: the vocabulary is missing; "
+                     f"{_train_hint(workdir)} (it writes vocab.model first)")
+
+
+def finished_steps(directory: str) -> list[int]:
+  """Steps of the finished checkpoints in `directory`, ascending. Orbax writes a
+  step under a temporary name and renames it to the bare step number when it
+  is complete, so the directories named by a number are the finished ones (the
+  same rule as `checkpoints.checkpoint_steps`, without importing orbax)."""
+  if not os.path.isdir(directory):
+    return []
+  return sorted(int(name) for name in os.listdir(directory)
+                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
+
+
+def resolve_checkpoint(workdir: str, which: str) -> str | int:
+  """--checkpoint -> "averaged" or a step number, or WorkdirError saying what
+  is missing. Cheap: runs before JAX is imported."""
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  averaged_dir = os.path.join(workdir, "checkpoints_averaged")
+  steps = finished_steps(ckpt_dir)
+  if which == "auto":
+    which = "averaged" if finished_steps(averaged_dir) else "latest"
+  if which == "averaged":
+    if not finished_steps(averaged_dir):
+      raise WorkdirError(
+          f"--checkpoint=averaged: no averaged checkpoint in {averaged_dir} (train.py "
+          "writes one at the end when --config.average_last > 1); use "
+          "--checkpoint=latest or a step number")
+    return "averaged"
+  if not steps:
+    raise WorkdirError(f"no checkpoint in {ckpt_dir}: {_train_hint(workdir)} (it saves "
+                       "every --config.checkpoint_every steps and at the end)")
+  if which == "latest":
+    return steps[-1]
+  if int(which) not in steps:
+    raise WorkdirError(f"--checkpoint={which}: no checkpoint for step {int(which)} in "
+                       f"{ckpt_dir}; available steps: {steps} (or use --checkpoint=auto)")
+  return int(which)
+
+
+def load_translator(workdir: str, which: str | int):
+  """Translator for the workdir's model and checkpoint `which` ("averaged" or
+  a step, from `resolve_checkpoint`), and a description of that checkpoint."""
+  import functools
+
+  import jax
+
+  from transformer import checkpoints, tokenizer as tokenizer_lib, training
+  from transformer.model import init_params
+  from transformer.translation import Translator
+
+  model_config_path, vocab_path = find_workdir_files(workdir)
+  try:
+    model_config = training.load_model_config(workdir)
+  except (ValueError, TypeError) as e:
+    raise WorkdirError(f"{model_config_path} is not a valid model config ({e}); "
+                       "it is written by train.py, do not edit it") from None
+  try:
+    tokenizer = tokenizer_lib.load_tokenizer(vocab_path)
+  except (ValueError, OSError) as e:
+    raise WorkdirError(str(e)) from None
+
+  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
+  try:
+    params, info = checkpoints.load_params(workdir, target, which=which, with_info=True)
+  except (FileNotFoundError, ValueError) as e:
+    raise WorkdirError(f"cannot load the parameters: {e}") from None
+  if info["kind"] == "averaged":
+    described = f"averaged steps {info['averaged_steps']}"
+  else:
+    described = f"step {info['step']}"
+  return Translator(model_config, params, tokenizer), described
+
+
+# ----------------------------------------------------------------------------
+# Attention plots
+# ----------------------------------------------------------------------------
+
+
+def plot_attention(translator, sources: list[str], translations: list[str],
+                   directory: str, progress: bool) -> int:
+  """DIR/<line>.png for every non-empty source; returns the number written."""
+  import tqdm
+
+  from transformer import plotting
+
+  todo = [i for i, s in enumerate(sources) if s.strip()]
+  written = 0
+  for i in tqdm.tqdm(todo, desc="plot", unit="sent", disable=not progress,
+                     dynamic_ncols=True):
+    source_pieces, target_pieces, weights = translator.cross_attention(
+        sources[i], translations[i])
+    fig = plotting.plot_cross_attention(
+        weights, source_pieces, target_pieces, mode="layers",
+        title=f"line {i + 1}: encoder-decoder attention")
+    plotting.save_figure(fig, os.path.join(directory, f"{i + 1}.png"))
+    written += 1
+  return written
+
+
+# ----------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------
+
+
+def _summary(stats: dict, described: str, method: str, plots: int | None) -> str:
+  line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
+          f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
+          f"({stats['tokens_per_second']:.1f} tokens/s), {method}, {described}")
+  if plots is not None:
+    line += f", {plots} attention plots"
+  return line
+
+
+def _truncation_warning(stats: dict, max_len: int) -> str:
+  n = stats["truncated"]
+  return (f"warning: {n} input line{'s' if n != 1 else ''} longer than the model's "
+          f"max_len={max_len} tokens {'were' if n != 1 else 'was'} truncated")
+
+
+def run() -> None:
+  check_flags()
+  workdir, quiet, method = _WORKDIR.value, _QUIET.value, _METHOD.value
+  # Cheap checks first: before reading stdin, importing JAX, loading anything.
+  find_workdir_files(workdir)
+  which = resolve_checkpoint(workdir, _CHECKPOINT.value)
+  check_output_path(_OUTPUT.value)
+  plot_dir = _PLOT_ATTENTION.value
+  if plot_dir:
+    try:
+      os.makedirs(plot_dir, exist_ok=True)
+    except OSError as e:
+      raise UsageError(f"--plot_attention={plot_dir}: cannot create it ({e.strerror})") from None
+
+  if _INPUT.value in (None, "-") and sys.stdin.isatty() and not quiet:
+    print("Reading sentences from standard input (end with Ctrl-D) ...", file=sys.stderr)
+  sources, _ = read_input(_INPUT.value)
+
+  translator, described = load_translator(workdir, which)
+  n_best = _N_BEST.value
+  try:
+    results = translator.translate(
+        sources, method=method, beam_size=_BEAM_SIZE.value,
+        length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
+        min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+        top_p=_TOP_P.value, seed=_SEED.value, n_best=n_best,
+        batch_size=_BATCH_SIZE.value, progress=not quiet)
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  stats = dict(translator.last_stats)
+  if n_best > 1 and method == "sample":  # samples come unordered: best first
+    results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]
+  lines = format_lines(sources, results, n_best)
+  if len(lines) != len(sources):  # the contract of this tool; never write a misaligned file
+    raise WorkdirError(f"internal error: {len(sources)} inputs gave {len(lines)} outputs")
+  write_output(lines, _OUTPUT.value)
+
+  plots = None
+  if plot_dir:
+    best = results if n_best == 1 else [hyps[0][0] for hyps in results]
+    plots = plot_attention(translator, sources, best, plot_dir, progress=not quiet)
+
+  if not quiet:
+    print(_summary(stats, described, method, plots), file=sys.stderr)
+  if stats.get("truncated"):
+    print(_truncation_warning(stats, translator.config.max_len), file=sys.stderr)
+
+
+def _one_line_message(error: Exception) -> str:
+  return " ".join(str(error).split())
+
+
+def main(argv) -> int:
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]}; the input is --input=FILE or "
+          "standard input", file=sys.stderr)
+    return 2
+  # orbax logs at INFO; keep stderr for the progress bar and the summary.
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  try:
+    run()
+  except UsageError as e:
+    print(f"error: {_one_line_message(e)}", file=sys.stderr)
+    return 2
+  except WorkdirError as e:
+    print(f"error: {_one_line_message(e)}", file=sys.stderr)
+    return 1
+  except KeyboardInterrupt:
+    print("\nInterrupted (an --output file is only ever written whole).", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,304 @@
+"""End-to-end tests of decode.py, run as a subprocess on a tiny trained workdir.
+
+The workdir comes from `training.train_and_evaluate` on the demo task with a
+tiny model and a short run (a module fixture, seconds). Every decode.py run
+pays a JAX import and compilations, so the successful runs are few, launched
+together (two at a time) by one fixture, and share a persistent compilation
+cache; each test then checks one property of their outputs. Error cases fail
+before JAX is imported and are cheap.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE = os.path.join(ROOT, "decode.py")
+TRAIN_STEPS = 300
+
+# Line 2 is empty and line 4 blank; the last line has no newline. Sentences of
+# one length bucket (few compilations) that the tiny model translates
+# differently, so that a mix-up of the order shows.
+LINES = [
+    "nine hundred eighty-seven old lamps",
+    "",
+    "eight hundred nineteen old trees",
+    "   ",
+    "fifty-six small cars",
+    "one hundred sixty-eight big cars",
+    "eight hundred twenty-nine big cats",
+    "forty-seven black flowers",
+]
+NON_EMPTY = [i for i, line in enumerate(LINES) if line.strip()]
+# Longer than the model's max_len (128 tokens): truncated, with a warning.
+TOO_LONG = " ".join(["seven hundred seventy-seven"] * 30)
+
+
+def _text(lines, final_newline=True):
+  return "\n".join(lines) + ("\n" if final_newline else "")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  from transformer import training
+
+  spec = importlib.util.spec_from_file_location(
+      "demo_config", os.path.join(ROOT, "configs", "default.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                      num_decoder_layers=1)
+  config.update(batch_size=16, num_train_steps=TRAIN_STEPS, warmup_steps=50,
+                num_bleu_examples=0, vocab_size=128, eval_every=10**6, log_every=100,
+                checkpoint_every=TRAIN_STEPS, average_last=1)
+  config.data.update(demo_num_train=2000, demo_num_eval=32, demo_num_test=32)
+  path = str(tmp_path_factory.mktemp("decode_cli") / "run")
+  training.train_and_evaluate(config, path, quiet=True)
+  return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+  env = dict(os.environ)
+  # Compilation is most of a run: compile at -O0 (several times faster; the
+  # model is tiny), and let later runs reuse the compilations of earlier ones
+  # (same model and shapes) from a persistent cache.
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+             XLA_PYTHON_CLIENT_PREALLOCATE="false")  # share a GPU with this process
+  return env
+
+
+def run_decode(env, *flags, stdin: bytes | str = b"") -> subprocess.CompletedProcess:
+  if isinstance(stdin, str):
+    stdin = stdin.encode()
+  result = subprocess.run([sys.executable, DECODE, *flags], input=stdin, cwd=ROOT,
+                          env=env, capture_output=True, timeout=600)
+  result.stdout_text = result.stdout.decode()
+  result.stderr_text = result.stderr.decode()
+  return result
+
+
+def _ok(result):
+  assert result.returncode == 0, result.stderr_text[-3000:]
+  assert "Traceback" not in result.stderr_text
+  return result
+
+
+@pytest.fixture(scope="module")
+def runs(workdir, env, tmp_path_factory):
+  """The successful decode.py runs, two at a time (they are mostly compilation)."""
+  tmp = tmp_path_factory.mktemp("decode_runs")
+  infile = tmp / "in.txt"
+  infile.write_text(_text(LINES, final_newline=False))  # last line without "\n"
+  out = tmp / "out.txt"
+  plots = tmp / "plots"
+  reversed_stdin = "".join(line + "\r\n" for line in LINES[::-1])  # Windows line ends
+  with_long = tmp / "with_long.txt"
+  with_long.write_text(_text(LINES + [TOO_LONG]))
+
+  def beam_then_stdin():
+    beam = run_decode(env, f"--workdir={workdir}", f"--input={infile}", f"--output={out}",
+                      "--beam_size=4", "--batch_size=2", f"--plot_attention={plots}")
+    # The same lines reversed, through stdin -> stdout, 2-best, the step by number.
+    n_best = run_decode(env, f"--workdir={workdir}", "--batch_size=2", "--n_best=2",
+                        f"--checkpoint={TRAIN_STEPS}", stdin=reversed_stdin)
+    return beam, n_best
+
+  def greedy_then_sample():
+    # --max_len a multiple of decoding.EARLY_EXIT_CHUNK: one loop body to compile.
+    greedy = run_decode(env, f"--workdir={workdir}", f"--input={with_long}",
+                        "--method=greedy", "--max_len=24", "--quiet")
+    sample = run_decode(env, f"--workdir={workdir}", "--method=sample", "--top_k=1",
+                        "--n_best=2", "--seed=3", "--temperature=1.5", "--max_len=24",
+                        "--input=-", stdin=_text(LINES))
+    return greedy, sample
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    first = pool.submit(beam_then_stdin)
+    second = pool.submit(greedy_then_sample)
+    (beam, n_best), (greedy, sample) = first.result(), second.result()
+  return dict(beam=beam, n_best=n_best, greedy=greedy, sample=sample, out=out,
+              plots=plots)
+
+
+def _out_lines(text):
+  assert text.endswith("\n")
+  return text[:-1].split("\n")
+
+
+# ----------------------------------------------------------------------------
+# Successful runs
+# ----------------------------------------------------------------------------
+
+
+def test_file_to_file_one_line_per_input(runs):
+  beam = _ok(runs["beam"])
+  assert beam.stdout_text == ""  # everything went to --output
+  lines = _out_lines(runs["out"].read_text())
+  assert len(lines) == len(LINES)
+  for i, line in enumerate(lines):
+    assert (line != "") == (i in NON_EMPTY), (i, line)
+  assert not [p for p in os.listdir(runs["out"].parent) if p.startswith(".out.txt")]
+
+
+def test_summary_line_on_stderr(runs):
+  err = _ok(runs["beam"]).stderr_text
+  summary = [line for line in err.splitlines() if line.startswith("decoded ")]
+  assert len(summary) == 1, err
+  assert f"decoded {len(LINES)} sentences ({len(NON_EMPTY)} non-empty)" in summary[0]
+  assert "tokens/s" in summary[0] and f"step {TRAIN_STEPS}" in summary[0]
+  assert "warning" not in err  # nothing truncated
+  # --quiet: no progress bar, no summary, only the warning about the long line.
+  quiet = _ok(runs["greedy"]).stderr_text.strip().splitlines()
+  assert len(quiet) == 1 and quiet[0].startswith("warning: 1 input line longer"), quiet
+  assert "max_len=128" in quiet[0] and "truncated" in quiet[0]
+
+
+def test_order_kept_stdin_stdout_and_n_best(runs):
+  beam = _out_lines(runs["out"].read_text())
+  translations = [beam[i] for i in NON_EMPTY]
+  # Different inputs translate differently, so a shuffled order would show.
+  assert len(set(translations)) >= 2, translations
+  n_best = _ok(runs["n_best"])
+  lines = _out_lines(n_best.stdout_text)
+  assert len(lines) == len(LINES)
+  best = []
+  for line, source in zip(lines, LINES[::-1]):
+    if not source.strip():
+      assert line == ""
+      best.append("")
+      continue
+    fields = line.split("\t")
+    assert len(fields) == 2, line
+    best.append(fields[0])
+  # Reversed input -> reversed output; the best of 2 is the 1-best of the same beam.
+  assert best == beam[::-1]
+
+
+def test_sample_top_k_1_is_greedy(runs):
+  greedy = _out_lines(_ok(runs["greedy"]).stdout_text)
+  assert len(greedy) == len(LINES) + 1  # the over-long line too
+  assert [bool(line) for line in greedy[:-1]] == [bool(line.strip()) for line in LINES]
+  greedy = greedy[:-1]
+  sample = _out_lines(_ok(runs["sample"]).stdout_text)
+  assert len(sample) == len(LINES)
+  for g, s, source in zip(greedy, sample, LINES):
+    if source.strip():
+      assert s.split("\t") == [g, g]
+    else:
+      assert s == ""
+
+
+def test_plot_attention_one_png_per_sentence(runs):
+  _ok(runs["beam"])
+  plots = runs["plots"]
+  assert sorted(os.listdir(plots)) == sorted(f"{i + 1}.png" for i in NON_EMPTY)
+  for i in NON_EMPTY:
+    image = matplotlib.image.imread(plots / f"{i + 1}.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    assert image[..., :3].std() > 0.05  # not blank
+
+
+# ----------------------------------------------------------------------------
+# Errors: one line on stderr naming the culprit, non-zero exit, no traceback
+# ----------------------------------------------------------------------------
+
+
+def _error(result, *needles, code=None):
+  err = result.stderr_text
+  assert result.returncode != 0, err
+  if code is not None:
+    assert result.returncode == code, err
+  assert "Traceback" not in err, err
+  assert result.stdout_text == ""
+  message = [line for line in err.splitlines() if line.strip()]
+  for needle in needles:
+    assert any(needle in line for line in message), (needle, err)
+  return err
+
+
+def test_non_utf8_input_names_file_and_line(workdir, env, tmp_path):
+  bad = tmp_path / "latin1.txt"
+  bad.write_bytes("one red cat\ntwo small cats\nfünf große Hunde\n".encode("latin-1"))
+  out = tmp_path / "out.txt"
+  result = run_decode(env, f"--workdir={workdir}", f"--input={bad}", f"--output={out}")
+  _error(result, f"{bad}, line 3", "UTF-8", code=2)
+  assert not out.exists()  # nothing written
+  result = run_decode(env, f"--workdir={workdir}", stdin=b"ok\n\xff\xfe\n")
+  _error(result, "<stdin>, line 2", "UTF-8", code=2)
+
+
+def test_missing_workdir_pieces_name_what_to_do(workdir, env, tmp_path):
+  missing = tmp_path / "nowhere"
+  _error(run_decode(env, f"--workdir={missing}", stdin="a\n"),
+         str(missing), "train.py", code=1)
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  _error(run_decode(env, f"--workdir={empty}", stdin="a\n"),
+         "model_config.json", "train.py", code=1)
+  no_vocab = tmp_path / "no_vocab"
+  no_vocab.mkdir()
+  shutil.copy(os.path.join(workdir, "model_config.json"), no_vocab)
+  _error(run_decode(env, f"--workdir={no_vocab}", stdin="a\n"),
+         "vocab.model", "train.py", code=1)
+  no_ckpt = tmp_path / "no_checkpoint"
+  no_ckpt.mkdir()
+  for name in ("model_config.json", "vocab.model", "config.json"):
+    shutil.copy(os.path.join(workdir, name), no_ckpt)
+  _error(run_decode(env, f"--workdir={no_ckpt}", stdin="a\n"),
+         "no checkpoint", "train.py", code=1)
+
+
+def test_unknown_checkpoint(workdir, env):
+  _error(run_decode(env, f"--workdir={workdir}", "--checkpoint=123", stdin="a\n"),
+         "--checkpoint=123", f"available steps: [{TRAIN_STEPS}]", code=1)
+  _error(run_decode(env, f"--workdir={workdir}", "--checkpoint=averaged", stdin="a\n"),
+         "--checkpoint=averaged", "no averaged checkpoint", code=1)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--beam_size=0"], "--beam_size=0"),
+    (["--n_best=5"], "--n_best=5"),                       # > --beam_size=4
+    (["--method=greedy", "--n_best=2"], "--n_best=2"),
+    (["--top_p=0"], "--top_p=0"),
+    (["--top_p=1.5"], "--top_p=1.5"),
+    (["--method=viterbi"], "--method=viterbi"),
+    (["--checkpoint=best"], "--checkpoint=best"),
+    ([], "--workdir"),
+])
+def test_bad_flag_values_name_the_flag(workdir, env, flags, needle):
+  args = list(flags) if needle == "--workdir" else [f"--workdir={workdir}", *flags]
+  _error(run_decode(env, *args, stdin="a\n"), needle, code=2)
+
+
+def test_output_in_missing_directory(workdir, env, tmp_path):
+  _error(run_decode(env, f"--workdir={workdir}", f"--output={tmp_path}/no/such/out.txt",
+                    stdin="a\n"), "--output=", code=2)
+
+
+def test_vocab_path_from_config(workdir, env, tmp_path):
+  # A run trained with config.vocab_path has no vocab.model of its own: decode.py
+  # reads the path from config.json (this error proves it got past the vocabulary).
+  other = tmp_path / "shared_vocab"
+  other.mkdir()
+  shutil.copy(os.path.join(workdir, "vocab.model"), other / "spm.model")
+  run = tmp_path / "run"
+  run.mkdir()
+  shutil.copy(os.path.join(workdir, "model_config.json"), run)
+  config = json.load(open(os.path.join(workdir, "config.json")))
+  config["vocab_path"] = str(other / "spm.model")
+  (run / "config.json").write_text(json.dumps(config))
+  _error(run_decode(env, f"--workdir={run}", stdin="a\n"), "no checkpoint", code=1)
