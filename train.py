@@ -10,15 +10,39 @@ Running again with the same --workdir resumes from its last checkpoint.
 
 import logging
 import os
+import re
 import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
-    "Training configuration file (configs/*.py); override fields with --config.<field>=...")
+
+def _exit_if_unknown_config_field(error: Exception) -> None:
+  """ml_collections raises a bare AttributeError/KeyError (a traceback) for
+  --config.<field>=... naming a field the config lacks: say which, in one line."""
+  text = str(error).replace("\\n", "\n").replace("\\", "")
+  key = re.search(r"'([^'\n]+)'", text)
+  options = [arg.split("=", 1)[0] for arg in sys.argv[1:]
+             if re.match(r"--?(no)?config\.", arg) and key
+             and key.group(1) in re.split(r"[.=]", arg.split("=", 1)[0])[1:]]
+  if not options:
+    return  # not an unknown override: let the error through
+  suggestion = re.search(r'Did you mean "([^"]+)"', text)
+  print(f"error: {options[0]}: the config has no field {key.group(1)!r}"
+        + (f" (did you mean {suggestion.group(1)!r}?)" if suggestion else "."),
+        file=sys.stderr)
+  sys.exit(1)
+
+
+try:  # (without --config on the command line, overrides are applied right here)
+  _CONFIG = config_flags.DEFINE_config_file(
+      "config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.py"),
+      "Training configuration file (configs/*.py); override fields with --config.<field>=...")
+except (AttributeError, KeyError) as e:
+  _exit_if_unknown_config_field(e)
+  raise
+
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the vocabulary, checkpoints and metrics "
     "(default: runs/demo for the demo, runs/<config name> otherwise).")
@@ -71,5 +95,13 @@ def main(argv):
   return 0
 
 
+def _parse_flags(argv):
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as e:
+    _exit_if_unknown_config_field(e)
+    raise
+
+
 if __name__ == "__main__":
-  app.run(lambda argv: sys.exit(main(argv)))
+  app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_flags)

@@ -214,9 +214,13 @@ def _unknown_model_fields(config) -> list[str]:
 def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
   trained on the training data the first time (by process 0)."""
-  if config.get("vocab_path"):
-    return tokenizer_lib.load_tokenizer(config.vocab_path)
   path = os.path.join(workdir, VOCAB_FILE)
+  if config.get("vocab_path"):
+    # Copied into the workdir, so that the workdir alone is enough to decode.
+    tokenizer = tokenizer_lib.load_tokenizer(config.vocab_path)
+    if jax.process_index() == 0 and not os.path.exists(path):
+      write_bytes_atomically(path, tokenizer.serialized_model())
+    return tokenizer
   if not os.path.exists(path) and jax.process_index() == 0:
     logger.info("Training a SentencePiece vocabulary of %d pieces -> %s", config.vocab_size, path)
     tokenizer_lib.train_tokenizer(
@@ -226,6 +230,12 @@ def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("vocabulary written")
   return tokenizer_lib.load_tokenizer(path)
+
+
+def write_bytes_atomically(path: str, data_bytes: bytes) -> None:
+  with open(path + ".tmp", "wb") as f:
+    f.write(data_bytes)
+  os.replace(path + ".tmp", path)
 
 
 def write_json(path: str, value) -> None:
@@ -379,6 +389,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   def check_finite(metrics, step):
     loss = float(metrics["loss"])
     if not math.isfinite(loss):
+      # An async save of an earlier (finite) step may still be in flight: let it
+      # commit, so that the checkpoint named below exists when we stop.
+      ckpt.wait()
       last = ckpt.latest_step()
       raise TrainingDiverged(
           f"The training loss became {loss} at step {step}. Stopped without saving; the "

@@ -184,7 +184,10 @@ class Translator:
     generated = 0
     rng = jax.random.key(seed)
     for src_len, members in sorted(buckets.items()):
-      out_len = max_len if max_len is not None else src_len + extra_len
+      out_len = max_len
+      if out_len is None:  # rounded up to whole early-exit chunks: one compilation, not two
+        chunk = decoding.EARLY_EXIT_CHUNK
+        out_len = -(-(src_len + extra_len) // chunk) * chunk
       if cfg.positional == "learned":  # no position embedding past cfg.max_len (NaN)
         out_len = min(out_len, cfg.max_len)
       per_batch = max(1, rows // copies)
@@ -285,6 +288,7 @@ def load_translator(workdir: str, checkpoint: str | int = "auto") -> Translator:
   if not os.path.isdir(workdir):
     raise FileNotFoundError(f"workdir {workdir} does not exist; train a model first: "
                             f"python train.py --workdir={workdir}")
+  workdir = os.path.abspath(workdir)  # orbax restores only from absolute paths
   model_config = training.load_model_config(workdir)
   tokenizer = tokenizer_lib.load_tokenizer(os.path.join(workdir, training.VOCAB_FILE))
   target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))

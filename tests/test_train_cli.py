@@ -1,0 +1,98 @@
+"""Tests for `python train.py`: a tiny run end to end, and bad options.
+
+Each case is a subprocess with a time limit. Successful runs share the
+session's persistent XLA compilation cache with tests/test_training.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+import train_worker  # noqa: E402  (no JAX import)
+
+TIMEOUT_S = 240
+
+
+def env_for(cache_dir=None) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+  env["JAX_PLATFORMS"] = "cpu"
+  # Compiling is most of a short run: XLA's -O0 compiles several times faster.
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  if cache_dir is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+  return env
+
+
+def train_py(args, env, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, "train.py", *args]
+  try:
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"timed out after {timeout}s: {cmd}\n{e.stdout}\n{e.stderr}")
+
+
+def tiny_flags(**overrides) -> list[str]:
+  values = dict(train_worker.TINY_OVERRIDES)
+  values.update(overrides)
+  return [f"--config.{k}={v}" for k, v in values.items()]
+
+
+def test_train_py_trains_and_prints_bleu_and_samples(tmp_path_factory):
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  workdir = tmp_path_factory.mktemp("cli") / "run"
+  proc = train_py([f"--workdir={workdir}", "--quiet",
+                   *tiny_flags(num_train_steps=20, num_bleu_examples=4)], env_for(cache))
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+  out = proc.stdout
+  assert f"Trained 20 steps into {workdir}" in out, out
+  summary = next(line for line in out.splitlines() if line.startswith("validation:"))
+  assert "loss" in summary and "token accuracy" in summary and "BLEU" in summary \
+      and "exact match" in summary, summary
+  # One "source / -> translation / (reference: ...)" triple per BLEU example.
+  assert out.count("\n    -> ") == 4, out
+  assert out.count("(reference: ") == 4, out
+  assert "python decode.py --workdir=" in out
+  # The overrides reached the run.
+  saved = json.loads((workdir / "config.json").read_text())
+  assert saved["model"]["d_model"] == 32 and saved["num_train_steps"] == 20
+  assert saved["num_bleu_examples"] == 4
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  final = [r for r in records if r["split"] == "eval"][-1]
+  assert final["step"] == 20 and 0.0 <= final["bleu"] <= 100.0
+  assert 0.0 <= final["exact_match"] <= 1.0
+
+
+CHEAP = ["--config.data.demo_num_train=300", "--config.vocab_size=128"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config.model.d_model=30", "--config.model.num_heads=4"], ["d_model=30", "num_heads=4"]),
+    (["--config.data.source=nope"], ["config.data.source", "nope"]),
+    (["--config.model.bogus=1"], ["--config.model.bogus", "'bogus'"]),
+    (["--config.num_train_step=5"], ["--config.num_train_step", "num_train_steps"]),
+    (["--config=configs/default.py", "--config.model.bogus.deeper=1"],
+     ["--config.model.bogus.deeper"]),
+    (["--config.num_train_steps=0"], ["config.num_train_steps=0"]),
+    (["--config.batch_size=lots"], ["--config.batch_size"]),
+], ids=["heads_do_not_divide_d_model", "unknown_source", "unknown_model_field",
+        "misspelt_field", "unknown_field_with_config_file", "zero_steps", "not_a_number"])
+def test_bad_options_exit_with_a_one_line_error(args, expected, tmp_path):
+  proc = train_py([f"--workdir={tmp_path / 'run'}", "--quiet", *args, *CHEAP], env_for())
+  assert proc.returncode != 0, proc.stdout + proc.stderr
+  assert "Traceback" not in proc.stderr, proc.stderr
+  errors = [l for l in proc.stderr.splitlines() if l.startswith(("error:", "FATAL"))]
+  assert len(errors) == 1, proc.stderr
+  for text in expected:
+    assert text in errors[0], errors[0]
+  assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,652 @@
+"""Tests for transformer/training.py: the loss, the schedule, gradient
+accumulation, a short demo run, data parallelism (8 simulated devices, two
+processes), exact resume (also after SIGKILL) and the NaN stop.
+
+Everything uses a tiny model (tests/train_worker.py: TINY_OVERRIDES).
+Compiling is most of the cost, so the in-process runs and the `train.py`
+subprocesses that are compared with them share a persistent XLA compilation
+cache (one per pytest session: each train step is compiled once per session,
+not once per run; the cache changes how long a compile takes, never what
+runs), and code compiled for a single use is compiled at XLA's -O0. Runs that
+need their own JAX process (8 devices, two processes, `python train.py`) go
+through tests/train_worker.py or train.py in subprocesses, each with a time
+limit.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+import train_worker  # noqa: E402  (no JAX import)
+
+from transformer import checkpoints, data, training  # noqa: E402
+from transformer import tokenizer as tokenizer_lib  # noqa: E402
+from transformer.model import init_params  # noqa: E402
+
+WORKER = REPO / "tests" / "train_worker.py"
+TIMEOUT_S = 180
+# XLA's -O0 compiles several times faster; used where a test compiles
+# something once and runs it for a few steps (never where results are compared
+# bitwise with a run compiled at the default level).
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+CACHE_SETTINGS = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+# Adam divides by sqrt(v) + eps: with the paper's eps = 1e-9, gradients that are
+# 0 up to rounding (e.g. of the key-projection biases, whose effect softmax
+# cancels, and of some key-kernel directions) become steps of +-lr
+# whose sign depends on the summation order, i.e. on the number of devices or
+# processes. Comparisons across layouts use eps = 1e-4, which damps that noise
+# (params then agree to ~1e-7) and changes nothing else that is tested.
+COMPARABLE_ADAM_EPS = 1e-4
+
+# The reference run that the resume, SIGKILL, NaN and 8-device tests compare
+# with: dropout on, gradient accumulation, periodic checkpoints, averaging.
+REF_STEPS = 24
+REF = {"num_train_steps": REF_STEPS, "grad_accum_steps": 2, "checkpoint_every": 8,
+       "keep_checkpoints": 3, "average_last": 2, "log_every": 5,
+       "adam_eps": COMPARABLE_ADAM_EPS}
+
+
+# ----------------------------------------------------------------------------
+# Helpers and fixtures
+# ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for this module's runs (restored after)."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  path = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
+  old = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  for name, value in CACHE_SETTINGS.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+  yield path
+  for name, value in old.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+def subprocess_env(cache_dir=None, **extra: str) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items()
+         if "proxy" not in k.lower()  # gRPC would route localhost via a proxy
+         and not k.startswith(("JAX_", "XLA_"))}
+  env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_PLATFORMS"] = "cpu"
+  if cache_dir is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    for name, value in CACHE_SETTINGS.items():
+      env[name.upper()] = str(value)
+  env.update(extra)
+  return env
+
+
+def run_checked(cmd, env, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
+  try:
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"timed out after {timeout}s: {cmd}\n{e.stdout}\n{e.stderr}")
+  assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+  return proc
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def train(workdir, overrides, **kwargs) -> training.TrainResult:
+  return training.train_and_evaluate(train_worker.tiny_config(overrides), str(workdir),
+                                     quiet=True, **kwargs)
+
+
+def params_target(workdir):
+  model_config = training.load_model_config(str(workdir))
+  return jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
+
+
+def load_params(workdir, which="latest"):
+  return jax.device_get(checkpoints.load_params(str(workdir), params_target(workdir), which))
+
+
+def state_target(workdir, overrides):
+  config = train_worker.tiny_config(overrides)
+  model_config = training.load_model_config(str(workdir))
+  optimizer, _ = training.make_optimizer(config, model_config.d_model)
+  return jax.eval_shape(lambda: training.create_train_state(model_config, optimizer, config.seed))
+
+
+def load_state(workdir, overrides, step=None):
+  with checkpoints.Checkpointer(str(workdir), read_only=True) as ckpt:
+    state, data_state = ckpt.restore(state_target(workdir, overrides), step)
+  return state, data_state
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    out[jax.tree_util.keystr(path)] = np.asarray(leaf)
+  return out
+
+
+def assert_trees_equal(a, b):
+  fa, fb = flat(a), flat(b)
+  assert fa.keys() == fb.keys()
+  different = [k for k in fa if not np.array_equal(fa[k], fb[k])]
+  assert not different, f"leaves differ: {different[:10]}"
+
+
+def assert_params_close(actual, expected, atol=1e-5):
+  fa, fe = flat(actual), flat(expected)
+  assert fa.keys() == fe.keys()
+  for name in fa:
+    np.testing.assert_allclose(fa[name], fe[name], atol=atol, rtol=0, err_msg=name)
+
+
+def read_metrics(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def read_tensorboard_tags(directory) -> dict[str, list[int]]:
+  """{tag: [steps]} from TFRecord event files (a tiny reader, no TensorFlow)."""
+  from tensorboardX.proto import event_pb2
+  tags: dict[str, list[int]] = {}
+  for path in Path(directory).glob("events.out.tfevents.*"):
+    raw = path.read_bytes()
+    pos = 0
+    while pos < len(raw):
+      (length,) = struct.unpack("<Q", raw[pos:pos + 8])
+      record = raw[pos + 12:pos + 12 + length]
+      pos += 12 + length + 4
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        tags.setdefault(value.tag, []).append(int(event.step))
+  return tags
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  config = train_worker.tiny_config()
+  pairs = data.load_split(config.data, "train")
+  path = tmp_path_factory.mktemp("vocab") / "vocab.model"
+  return tokenizer_lib.train_tokenizer(data.sample_sentences(pairs), str(path),
+                                       config.vocab_size, model_type=config.vocab_model_type)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, compilation_cache):
+  """REF_STEPS uninterrupted steps; checkpoints at 8, 16, 24."""
+  workdir = tmp_path_factory.mktemp("reference")
+  result = train(workdir, REF)
+  return workdir, result
+
+
+# ----------------------------------------------------------------------------
+# 1. Loss and schedule against independent references
+# ----------------------------------------------------------------------------
+
+
+def reference_sums(logits, targets, weights, eps):
+  """float64, with the smoothed distribution q built explicitly: KL(q || p)."""
+  logits = np.asarray(logits, np.float64)
+  vocab = logits.shape[-1]
+  log_p = logits - logits.max(-1, keepdims=True)
+  log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+  q = np.full(logits.shape, eps / (vocab - 1))
+  np.put_along_axis(q, targets[..., None], 1.0 - eps, axis=-1)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    q_log_q = np.where(q > 0, q * np.log(q), 0.0)
+  kl = (q_log_q - q * log_p).sum(-1)
+  nll = -np.take_along_axis(log_p, targets[..., None], -1)[..., 0]
+  correct = logits.argmax(-1) == targets
+  w = weights.astype(np.float64)
+  return {"loss": (kl * w).sum(), "nll": (nll * w).sum(), "correct": (correct * w).sum(),
+          "weight": w.sum()}
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.0, 0.3])
+def test_cross_entropy_sums_is_kl_to_the_smoothed_targets(eps):
+  rng = np.random.default_rng(0)
+  logits = (3 * rng.normal(size=(3, 7, 11))).astype(np.float32)
+  targets = rng.integers(0, 11, size=(3, 7))
+  weights = np.ones((3, 7))
+  weights[0, 4:] = 0   # padding
+  weights[2, 1:] = 0
+  # A padding position with huge logits must not leak in.
+  logits[0, 5] = 1e4
+  got = jax.jit(training.cross_entropy_sums, static_argnums=3)(
+      logits, targets, weights, eps)
+  want = reference_sums(logits, targets, weights, eps)
+  assert set(got) == set(want)
+  for key in want:
+    np.testing.assert_allclose(float(got[key]), want[key], rtol=2e-5, err_msg=key)
+  assert want["weight"] == 4 + 7 + 1
+  assert 0 < want["correct"] < want["weight"]
+
+  # The minimum is 0 and is reached at p = q (the smoothed targets).
+  if eps > 0:
+    q = np.full((3, 7, 11), eps / 10)
+    np.put_along_axis(q, targets[..., None], 1.0 - eps, axis=-1)
+    best = training.cross_entropy_sums(jnp.log(q.astype(np.float32)), targets, weights, eps)
+    assert abs(float(best["loss"])) < 1e-4 * want["weight"]
+
+
+def paper_lr(step, d_model, warmup, scale=1.0):
+  return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def test_learning_rate_schedule_is_the_papers():
+  for d_model, warmup, scale in [(512, 4000, 1.0), (32, 50, 2.0)]:
+    schedule = training.learning_rate_schedule(d_model, warmup, scale)
+    # optax counts updates from 0; update number `step` (from 1) uses count step - 1.
+    for step in [1, 2, warmup // 2, warmup - 1, warmup, warmup + 1, 10 * warmup]:
+      np.testing.assert_allclose(float(schedule(step - 1)), paper_lr(step, d_model, warmup, scale),
+                                 rtol=1e-5, err_msg=f"step {step}")
+    values = np.asarray(jax.vmap(schedule)(jnp.arange(3 * warmup)))
+    assert int(np.argmax(values)) + 1 == warmup  # peak at step = warmup
+    np.testing.assert_allclose(values.max(), scale * (d_model * warmup) ** -0.5, rtol=1e-5)
+  # The paper's base model: 512^-0.5 * 4000^-0.5 ~ 7e-4 at the peak.
+  np.testing.assert_allclose(
+      float(training.learning_rate_schedule(512, 4000)(3999)), 6.9877e-4, rtol=1e-4)
+
+
+def test_first_adam_update_uses_the_step_one_rate():
+  """make_optimizer: Adam(0.9, 0.98, eps) on the schedule, first update = -lr(1) * sign(g)."""
+  config = train_worker.tiny_config({"adam_eps": 1e-9})
+  optimizer, _ = training.make_optimizer(config, d_model=32)
+  params = {"w": jnp.zeros(5)}
+  grads = {"w": jnp.array([0.5, -2.0, 1e-3, -1e-4, 3.0])}
+  updates, state = optimizer.update(grads, optimizer.init(params), params)
+  lr1 = paper_lr(1, 32, config.warmup_steps, config.learning_rate_scale)
+  np.testing.assert_allclose(updates["w"], -lr1 * np.sign(grads["w"]), rtol=1e-4)
+  # Second update: bias-corrected moments with b1 = 0.9, b2 = 0.98.
+  g2 = {"w": jnp.array([1.0, 1.0, -1.0, 2.0, 0.5])}
+  updates2, _ = optimizer.update(g2, state, params)
+  g1, g2n = np.asarray(grads["w"], np.float64), np.asarray(g2["w"], np.float64)
+  m = (0.1 * 0.9 * g1 + 0.1 * g2n) / (1 - 0.9 ** 2)
+  v = (0.02 * 0.98 * g1 ** 2 + 0.02 * g2n ** 2) / (1 - 0.98 ** 2)
+  lr2 = paper_lr(2, 32, config.warmup_steps, config.learning_rate_scale)
+  np.testing.assert_allclose(updates2["w"], -lr2 * m / (np.sqrt(v) + 1e-9), rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# 2. Gradient accumulation
+# ----------------------------------------------------------------------------
+
+
+def test_gradient_accumulation_equals_one_big_batch(tokenizer):
+  import optax
+  config = train_worker.tiny_config({"model.dropout_rate": 0.0})
+  model_config = training.model_config_from(config, tokenizer.vocab_size)
+  _, schedule = training.make_optimizer(config, model_config.d_model)
+  # Plain SGD with rate 1: the change of the params *is* the (negative) gradient,
+  # scale included (Adam's first step, ~ -lr * sign(g), would hide a wrong scale).
+  optimizer = optax.sgd(1.0)
+  state = jax.jit(lambda: training.create_train_state(model_config, optimizer, seed=0),
+                  compiler_options=FAST_COMPILE)()
+  it = data.train_iterator(data.load_split(config.data, "train"), tokenizer, batch_size=4,
+                           max_length=config.max_length, seed=0, pack=False, prefetch=0)
+  micro = [next(it) for _ in range(2)]
+  it.close()
+  weights = [int((m["targets_segment_ids"] > 0).sum()) for m in micro]
+  assert weights[0] != weights[1]  # unequal token counts: a plain mean would be wrong
+
+  step = jax.jit(functools.partial(
+      training.train_step, model_config=model_config, optimizer=optimizer,
+      schedule=schedule, label_smoothing=config.label_smoothing), compiler_options=FAST_COMPILE)
+  accumulated = {k: np.stack([m[k] for m in micro]) for k in micro[0]}          # [2, 4, L]
+  concatenated = {k: np.concatenate([m[k] for m in micro])[None] for k in micro[0]}  # [1, 8, L]
+  # micro-batch 0 plus 4 padding rows: the same shape, so no extra compile
+  first_only = {k: np.concatenate([micro[0][k], np.zeros_like(micro[1][k])])[None]
+                for k in micro[0]}
+  s_acc, m_acc = step(state, accumulated)
+  s_cat, m_cat = step(state, concatenated)
+  s_one, _ = step(state, first_only)
+
+  assert int(s_acc["step"]) == int(s_cat["step"]) == 1
+  grad = lambda s: jax.tree.map(lambda a, b: np.asarray(b - a), s["params"], state["params"])
+  g_acc, g_cat, g_one = grad(s_acc), grad(s_cat), grad(s_one)
+  assert_params_close(g_acc, g_cat, atol=1e-6)
+  # The gradient is that of the mean loss per target token of the whole batch.
+  flat_batch = {k: v[0] for k, v in concatenated.items()}
+  mean_loss = lambda p: (lambda s: s["loss"] / s["weight"])(training.eval_step(
+      p, flat_batch, model_config=model_config, label_smoothing=config.label_smoothing))
+  reference = jax.jit(jax.grad(mean_loss), compiler_options=FAST_COMPILE)(state["params"])
+  assert_params_close(g_cat, reference, atol=1e-6)
+  # ... and the test can tell: micro-batch 0 alone gives a different gradient.
+  diff = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), g_one, g_cat)
+  assert max(jax.tree.leaves(diff)) > 1e-3
+  assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(g_cat)) > 1e-2
+  for key in ("loss", "nll", "correct", "weight"):
+    np.testing.assert_allclose(float(m_acc[key]), float(m_cat[key]), rtol=1e-5, err_msg=key)
+  assert float(m_acc["weight"]) == sum(weights)
+  np.testing.assert_allclose(float(m_acc["grad_norm"]), float(m_cat["grad_norm"]), rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# 3. A short demo run learns; the workdir has everything
+# ----------------------------------------------------------------------------
+
+
+def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
+  # REF's batches (2 x 16 rows per update) and optimizer: its compiled step is reused.
+  overrides = dict(REF, num_train_steps=100, log_every=25, eval_every=50, checkpoint_every=50,
+                   average_last=1)
+  start = time.perf_counter()
+  result = train(tmp_path, overrides)
+  elapsed = time.perf_counter() - start
+
+  # From ~4.5 (uniform over ~100 tokens) down; exact numbers depend on the run.
+  assert result.step == 100
+  assert result.eval["loss"] < 2.0, result.eval
+  assert result.eval["accuracy"] > 0.4, result.eval
+  assert result.train["loss"] < 2.0 and result.train["accuracy"] > 0.4, result.train
+  assert result.eval["perplexity"] == pytest.approx(math.exp(result.eval["nll"]), rel=1e-6)
+
+  config = train_worker.tiny_config(overrides)
+  assert json.loads((tmp_path / "config.json").read_text()) == json.loads(
+      json.dumps(config.to_dict()))
+  model_config = json.loads((tmp_path / "model_config.json").read_text())
+  vocab = tokenizer_lib.load_tokenizer(str(tmp_path / "vocab.model"))
+  assert model_config["vocab_size"] == vocab.vocab_size <= 128
+  assert model_config["d_model"] == 32 and model_config["num_heads"] == 2
+  assert checkpoints.checkpoint_steps(tmp_path) == [50, 100]
+  assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+
+  records = read_metrics(tmp_path)
+  train_steps = [r["step"] for r in records if r["split"] == "train"]
+  eval_records = [r for r in records if r["split"] == "eval"]
+  assert train_steps == [25, 50, 75, 100]
+  assert [r["step"] for r in eval_records] == [50, 100]
+  assert eval_records[-1]["loss"] == pytest.approx(result.eval["loss"])
+  first_train = next(r for r in records if r["split"] == "train")
+  for key in ("loss", "nll", "accuracy", "perplexity", "learning_rate", "grad_norm",
+              "tokens_per_second", "steps_per_second"):
+    assert key in first_train, key
+  assert first_train["loss"] > result.train["loss"] + 1.0  # it went down
+  assert records[-2]["learning_rate"] == pytest.approx(
+      paper_lr(100, 32, config.warmup_steps, config.learning_rate_scale), rel=1e-5)
+
+  tags = read_tensorboard_tags(tmp_path / "tensorboard")
+  assert tags["train/loss"] == train_steps
+  assert tags["eval/loss"] == [50, 100]
+  assert "train/learning_rate" in tags and "eval/accuracy" in tags
+  print(f"100-step demo run: {elapsed:.1f}s, eval {result.eval}")
+
+
+def test_bad_configs_fail_before_training(tmp_path):
+  for overrides, match in [({"num_train_steps": 0}, "num_train_steps"),
+                           ({"batch_size": 0}, "batch_size"),
+                           ({"model.bogus": 1}, "bogus")]:
+    config = train_worker.tiny_config()
+    if "model.bogus" in overrides:
+      config.model.bogus = 1
+    else:
+      config.update_from_flattened_dict(overrides)
+    with pytest.raises(ValueError, match=match):
+      training.train_and_evaluate(config, str(tmp_path / "w"), quiet=True)
+  assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------
+# 4, 5. Data parallel: 8 devices, two processes
+# ----------------------------------------------------------------------------
+
+
+def test_eight_devices_match_one_device(tmp_path, reference_run, compilation_cache):
+  """Same config, same data: the step-8 checkpoint of an 8-device run equals the
+  1-device reference's step-8 checkpoint, and so do the logged losses."""
+  ref_dir, _ = reference_run
+  overrides = dict(REF, num_train_steps=8)
+  workdir = tmp_path / "eight"
+  out = tmp_path / "eight.json"
+  run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
+               f"--overrides={json.dumps(overrides)}", "--num_cpu_devices=8", f"--out={out}"],
+              subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS))
+  result = json.loads(out.read_text())
+  assert result["device_count"] == 8 and result["step"] == 8
+
+  assert_params_close(load_params(workdir), load_params(ref_dir, 8), atol=1e-5)
+  eight = {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
+  one = {r["step"]: r for r in read_metrics(ref_dir) if r["split"] == "train"}
+  for key in ("loss", "nll", "accuracy"):
+    np.testing.assert_allclose(eight[5][key], one[5][key], rtol=1e-5, err_msg=key)
+
+
+def replay_two_shards(workdir, overrides, num_steps):
+  """Single-process replay of a two-process run: process i reads shard i of the
+  data (batch_size / 2 rows per micro-batch); the global micro-batch is the
+  concatenation of both processes' rows, process 0 first."""
+  config = train_worker.tiny_config(overrides)
+  tok = tokenizer_lib.load_tokenizer(str(workdir / "vocab.model"))
+  model_config = training.load_model_config(str(workdir))
+  optimizer, schedule = training.make_optimizer(config, model_config.d_model)
+  state = jax.jit(lambda: training.create_train_state(model_config, optimizer, config.seed),
+                  compiler_options=FAST_COMPILE)()
+  pairs = data.load_split(config.data, "train")
+  iterators = [data.train_iterator(pairs, tok, batch_size=config.batch_size // 2,
+                                   max_length=config.max_length, seed=config.seed,
+                                   shard_index=i, shard_count=2, pack=config.pack, prefetch=0)
+               for i in range(2)]
+  step = jax.jit(functools.partial(
+      training.train_step, model_config=model_config, optimizer=optimizer,
+      schedule=schedule, label_smoothing=config.label_smoothing), compiler_options=FAST_COMPILE)
+  sums = {"loss": 0.0, "weight": 0.0}
+  for _ in range(num_steps):
+    micro = []
+    for _ in range(config.grad_accum_steps):
+      parts = [next(it) for it in iterators]
+      micro.append({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+    batch = {k: np.stack([m[k] for m in micro]) for k in micro[0]}
+    state, metrics = step(state, batch)
+    for key in sums:
+      sums[key] += float(metrics[key])
+  for it in iterators:
+    it.close()
+  return jax.device_get(state["params"]), sums["loss"] / sums["weight"]
+
+
+def test_two_processes_match_a_single_process_replay(tmp_path):
+  overrides = dict(REF, num_train_steps=4, log_every=4)
+  workdir = tmp_path / "workdir"
+  port = free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",  # loopback only
+                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  procs, outs = [], []
+  for pid in range(2):
+    outs.append(tmp_path / f"result_{pid}.json")
+    procs.append(subprocess.Popen(
+        [sys.executable, str(WORKER), f"--workdir={workdir}",
+         f"--overrides={json.dumps(overrides)}", "--num_processes=2", f"--process_id={pid}",
+         f"--port={port}", "--num_cpu_devices=1", f"--out={outs[-1]}"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+  except subprocess.TimeoutExpired:
+    pytest.fail("two-process training timed out")
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-5000:]
+  results = [json.loads(o.read_text()) for o in outs]
+  for pid, r in enumerate(results):
+    assert (r["process_index"], r["process_count"], r["device_count"]) == (pid, 2, 2)
+    assert r["step"] == 4
+  assert results[0]["eval"] == results[1]["eval"]
+  assert checkpoints.checkpoint_steps(workdir) == [4]
+  data_dir = workdir / "checkpoints" / "4" / "data_state"
+  assert sorted(p.name for p in data_dir.glob("*.json")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+
+  params, mean_loss = replay_two_shards(workdir, overrides, 4)
+  assert_params_close(load_params(workdir), params, atol=1e-5)
+  logged = [r for r in read_metrics(workdir) if r["split"] == "train"]
+  assert [r["step"] for r in logged] == [4]
+  np.testing.assert_allclose(logged[0]["loss"], mean_loss, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# 6. Exact resume; SIGKILL
+# ----------------------------------------------------------------------------
+
+
+def test_resume_is_exact(tmp_path, reference_run, compilation_cache):
+  """k steps, then the same workdir to n: the same state as n steps in one go
+  (dropout on: the RNG and the data position resume too)."""
+  ref_dir, ref_result = reference_run
+  first = train(tmp_path, dict(REF, num_train_steps=10))
+  assert first.step == 10
+  assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
+  resumed = train(tmp_path, REF)
+  assert resumed.step == REF_STEPS
+  assert checkpoints.checkpoint_steps(ref_dir) == [8, 16, 24]
+  assert checkpoints.checkpoint_steps(tmp_path) == [10, 16, 24]   # (keep_checkpoints=3)
+
+  state, data_state = load_state(tmp_path, REF)
+  ref_state, ref_data_state = load_state(ref_dir, REF)
+  assert int(state["step"]) == REF_STEPS
+  assert_trees_equal(state, ref_state)     # params, Adam moments, count, RNG: bitwise
+  assert data_state == ref_data_state
+  assert_trees_equal(load_params(tmp_path, "averaged"), load_params(ref_dir, "averaged"))
+  assert resumed.eval == ref_result.eval
+  # The metrics file continues: 5, 10 (end of the first run), then 15, 20, 24.
+  steps = [r["step"] for r in read_metrics(tmp_path) if r["split"] == "train"]
+  assert steps == [5, 10, 15, 20, 24]
+
+
+def test_sigkill_during_training_then_resume(tmp_path, reference_run, compilation_cache):
+  """`python train.py` killed with SIGKILL while it saves a checkpoint every
+  step: the next run resumes from the last finished one and ends with the
+  reference's state exactly."""
+  ref_dir, _ = reference_run
+  overrides = dict(REF, checkpoint_every=1)
+  config_file = tmp_path / "tiny_config.py"
+  config_file.write_text(train_worker.config_file_text(overrides))
+  workdir = tmp_path / "workdir"
+  cmd = [sys.executable, "train.py", f"--config={config_file}", f"--workdir={workdir}",
+         "--quiet"]
+  env = subprocess_env(compilation_cache)
+  ckpt_dir = workdir / "checkpoints"
+
+  proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  killed = killed_during_save = False
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    while proc.poll() is None and time.monotonic() < deadline:
+      names = [p.name for p in ckpt_dir.iterdir()] if ckpt_dir.exists() else []
+      done = [int(n) for n in names if n.isdigit()]
+      saving = [n for n in names if "tmp" in n]
+      if done and max(done) >= 4 and (saving or max(done) >= REF_STEPS - 6):
+        os.kill(proc.pid, signal.SIGKILL)
+        killed, killed_during_save = True, bool(saving)
+        break
+      time.sleep(0.005)
+  finally:
+    if proc.poll() is None and time.monotonic() >= deadline:
+      proc.kill()
+    output = proc.communicate(timeout=30)[0]
+  assert killed and proc.returncode == -signal.SIGKILL, (
+      f"not killed in time (rc {proc.returncode}):\n{output}")
+  at_kill = checkpoints.checkpoint_steps(workdir)
+  assert at_kill and at_kill[-1] < REF_STEPS
+  print(f"killed at checkpoint {at_kill[-1]}, during a save: {killed_during_save}")
+
+  proc = run_checked(cmd, env)
+  assert "Trained 24 steps" in proc.stdout
+  assert checkpoints.checkpoint_steps(workdir)[-1] == REF_STEPS
+  assert not [p for p in ckpt_dir.iterdir() if "tmp" in p.name]
+  state, data_state = load_state(workdir, overrides)
+  ref_state, ref_data_state = load_state(ref_dir, REF)
+  assert_trees_equal(state, ref_state)
+  assert data_state == ref_data_state
+
+
+# ----------------------------------------------------------------------------
+# 7. NaN: stop, name the step and the last good checkpoint, keep it
+# ----------------------------------------------------------------------------
+
+
+def nan_rate_from(count):
+  """Wraps training.learning_rate_schedule: NaN from update `count` (0-based) on."""
+  def make(original):
+    def schedule_fn(*args, **kwargs):
+      schedule = original(*args, **kwargs)
+      return lambda c: jnp.where(c >= count, jnp.nan, schedule(c))
+    return schedule_fn
+  return make
+
+
+@pytest.mark.parametrize("case", ["caught_by_the_log", "caught_by_a_save_after_a_save"])
+def test_nan_stops_and_keeps_the_last_good_checkpoint(case, tmp_path, reference_run,
+                                                      monkeypatch, compilation_cache):
+  """Continuing the reference run from step 24, the update of step 27 makes the
+  params NaN (a NaN learning rate), so the loss is NaN from step 28 on."""
+  ref_dir, _ = reference_run
+  workdir = tmp_path / "workdir"
+  shutil.copytree(ref_dir, workdir)
+  monkeypatch.setattr(training, "learning_rate_schedule",
+                      nan_rate_from(26)(training.learning_rate_schedule))
+  if case == "caught_by_the_log":
+    # Logs at 25 (fine) and 30 (NaN); the next checkpoint would be at 32.
+    overrides = dict(REF, num_train_steps=40)
+    bad_step, good_steps = 30, [8, 16, 24]
+  else:
+    # Saves at 26 (async, fine) and 28 (NaN: refused); no log in between. The
+    # save of 26 may still be in flight when the NaN is found: it must commit.
+    overrides = dict(REF, num_train_steps=40, checkpoint_every=2, log_every=1000)
+    bad_step, good_steps = 28, [16, 24, 26]
+
+  with pytest.raises(training.TrainingDiverged) as info:
+    train(workdir, overrides)
+  message = str(info.value)
+  assert f"nan at step {bad_step}" in message, message
+  assert f"last good checkpoint is step {good_steps[-1]}" in message, message
+  assert "learning_rate_scale" in message  # says what to do
+  monkeypatch.undo()
+
+  assert checkpoints.checkpoint_steps(workdir) == good_steps
+  assert not [p for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
+  state, _ = load_state(workdir, overrides)
+  assert int(state["step"]) == good_steps[-1]
+  assert all(np.isfinite(v).all() for v in flat(state["params"]).values())
+  records = read_metrics(workdir)
+  assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
+  if case == "caught_by_the_log":
+    ref_state, _ = load_state(ref_dir, REF)
+    assert_trees_equal(state, ref_state)
+    assert [r["step"] for r in records if r["split"] == "train"][-1] == 25

@@ -1,0 +1,114 @@
+"""Helpers for tests/test_training.py and tests/test_train_cli.py, and a worker
+that runs `training.train_and_evaluate` in its own process:
+
+    python tests/train_worker.py --workdir=DIR --overrides='{"num_train_steps": 4}' \
+        [--num_cpu_devices=8] [--num_processes=2 --process_id=0 --port=12345] \
+        [--out=result.json]
+
+JAX fixes its devices when the backend starts, so runs with 8 simulated CPU
+devices, or with several processes, need a process of their own. The worker
+writes the `TrainResult` (step, train/eval summaries) as JSON to --out; the
+tests read the params from the workdir's checkpoint.
+
+Importing this module does not import JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+  sys.path.insert(0, REPO)
+
+# A tiny model and data set: compiles in seconds and trains ~20 steps/s on a CPU.
+TINY_OVERRIDES: dict[str, Any] = {
+    "data.demo_num_train": 1000,
+    "data.demo_num_eval": 64,
+    "data.demo_num_test": 8,
+    "vocab_size": 128,
+    "batch_size": 16,
+    "max_length": 32,
+    "model.d_model": 32,
+    "model.num_heads": 2,
+    "model.d_ff": 64,
+    "model.num_encoder_layers": 1,
+    "model.num_decoder_layers": 1,
+    "model.max_len": 64,
+    "warmup_steps": 50,
+    "learning_rate_scale": 2.0,
+    "log_every": 5,
+    "eval_every": 1_000_000,
+    "eval_batch_size": 32,
+    "num_eval_examples": 32,
+    "num_bleu_examples": 0,
+    "checkpoint_every": 1_000_000,
+    "keep_checkpoints": 3,
+    "average_last": 1,
+}
+
+
+def tiny_config(overrides: dict[str, Any] | None = None):
+  """configs/default.py with TINY_OVERRIDES, then `overrides` ("a.b" keys)."""
+  from configs import default
+  config = default.get_config()
+  config.update_from_flattened_dict(dict(TINY_OVERRIDES))
+  if overrides:
+    config.update_from_flattened_dict(dict(overrides))
+  return config
+
+
+def config_file_text(overrides: dict[str, Any] | None = None) -> str:
+  """Source of a config file for `train.py --config=<file>` giving tiny_config(overrides)."""
+  merged = dict(TINY_OVERRIDES)
+  merged.update(overrides or {})
+  return (
+      "import sys\n"
+      f"sys.path.insert(0, {REPO!r})\n"
+      "from configs import default\n\n"
+      "def get_config():\n"
+      "  config = default.get_config()\n"
+      f"  config.update_from_flattened_dict({merged!r})\n"
+      "  return config\n")
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--overrides", default="{}", help="JSON dict of 'a.b' config overrides")
+  parser.add_argument("--num_cpu_devices", type=int, default=None)
+  parser.add_argument("--num_processes", type=int, default=1)
+  parser.add_argument("--process_id", type=int, default=0)
+  parser.add_argument("--port", type=int, default=0)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args()
+
+  from transformer import parallel
+  if args.num_processes > 1:
+    assert parallel.maybe_initialize_distributed(
+        coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+        process_id=args.process_id, num_cpu_devices=args.num_cpu_devices,
+        initialization_timeout=60)
+  else:
+    assert not parallel.maybe_initialize_distributed(num_cpu_devices=args.num_cpu_devices)
+
+  import jax
+  from transformer import training
+  config = tiny_config(json.loads(args.overrides))
+  result = training.train_and_evaluate(config, args.workdir, quiet=True)
+  out = {"step": result.step, "train": result.train, "eval": result.eval,
+         "process_index": jax.process_index(), "process_count": jax.process_count(),
+         "device_count": jax.device_count(), "local_device_count": jax.local_device_count()}
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(out, f)
+  if args.num_processes > 1:
+    parallel.shutdown_distributed()
+
+
+if __name__ == "__main__":
+  main()
