@@ -289,6 +289,9 @@ def _check_config(config) -> None:
                "log_every", "eval_every", "checkpoint_every"):
     if int(config[name]) < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if config.eval_batch_size % jax.local_device_count():
+    raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be a multiple "
+                     f"of the {jax.local_device_count()} local devices.")
   if config.batch_size % jax.process_count():
     raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
                      f"number of processes ({jax.process_count()}).")
@@ -444,10 +447,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       progress.write(f"Interrupted: saving a checkpoint at step {step} ...")
       save(step, metrics, force=True)
     ckpt.close()
+    train_iter.close()
+    raise
+  except BaseException:
+    # Let a save already in flight finish (it holds good state), then stop.
+    ckpt.close()
+    train_iter.close()
     raise
   finally:
     progress.close()
   ckpt.wait()
+  train_iter.close()
 
   # The paper averages the last 5 (base) or 20 (big) checkpoints.
   final_params = state["params"]
