@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
   # The model (transformer.model.TransformerConfig fields; vocab_size and the
   # special ids come from the vocabulary).
   config.model = ml_collections.ConfigDict(dict(
-      d_model=128, num_heads=4, d_ff=512, num_encoder_layers=2, num_decoder_layers=2,
+      d_model=128, num_heads=4, d_ff=512, num_encoder_layers=3, num_decoder_layers=3,
       max_len=128, dropout_rate=0.1, attention_dropout_rate=0.0,
       share_embeddings=True, logits_via_embedding=True, normalization="post",
       activation="relu", positional="sinusoidal", dtype="float32",
@@ -46,9 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
   ))
 
   # Optimisation (the paper's Adam and schedule; scale 1 = the paper's rate).
-  config.num_train_steps = 1200
-  config.warmup_steps = 200
-  config.learning_rate_scale = 2.0
+  config.num_train_steps = 400
+  config.warmup_steps = 1000   # still warming up at the end: a gentle, steady rise
+  config.learning_rate_scale = 1.0
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98
   config.adam_eps = 1e-9
@@ -58,13 +58,13 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Logging, evaluation, checkpoints.
   config.log_every = 50
-  config.eval_every = 400
+  config.eval_every = 200
   config.eval_batch_size = 64
   config.num_eval_examples = 0        # 0 = the whole validation split (loss)
   config.num_bleu_examples = 200      # validation sentences decoded for BLEU
   config.eval_decode_method = "greedy"
   config.eval_beam_size = 4
-  config.checkpoint_every = 400
+  config.checkpoint_every = 200
   config.keep_checkpoints = 3
   config.average_last = 1             # >1: average the last N checkpoints at the end
   return config

@@ -197,7 +197,7 @@ class Checkpointer:
       raise ValueError(f"save_every must be >= 1, got {save_every}.")
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}.")
-    self.workdir = epath.Path(workdir)
+    self.workdir = epath.Path(os.path.abspath(workdir))
     self.directory = self.workdir / subdir
     self.keep = keep
     self.save_every = save_every
@@ -379,7 +379,7 @@ class Checkpointer:
 
 
 def _step_dir(workdir, step: int, subdir: str = CHECKPOINT_DIR) -> epath.Path:
-  return epath.Path(workdir) / subdir / str(int(step))
+  return epath.Path(os.path.abspath(workdir)) / subdir / str(int(step))
 
 
 def _restore_params_from_state(path: epath.Path, target_params: Any, params_key: str) -> Any:
@@ -402,7 +402,7 @@ def _restore_params_from_state(path: epath.Path, target_params: Any, params_key:
 
 def checkpoint_steps(workdir: str | os.PathLike, subdir: str = CHECKPOINT_DIR) -> list[int]:
   """Finished steps in `<workdir>/<subdir>`, ascending (tmp dirs excluded)."""
-  directory = epath.Path(workdir) / subdir
+  directory = epath.Path(os.path.abspath(workdir)) / subdir
   if not directory.exists():
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))
@@ -440,7 +440,7 @@ def average_checkpoints(
   if steps is None:
     available = checkpoint_steps(workdir)
     if not available:
-      raise FileNotFoundError(f"No checkpoints to average in {epath.Path(workdir) / CHECKPOINT_DIR}.")
+      raise FileNotFoundError(f"No checkpoints to average in {epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR}.")
     steps = available[-num:]
   steps = [int(s) for s in steps]
   if not steps:
@@ -484,7 +484,7 @@ def save_averaged(
   steps = [int(s) for s in steps]
   if not steps:
     raise ValueError("save_averaged: no steps given.")
-  directory = epath.Path(workdir) / AVERAGED_DIR
+  directory = epath.Path(os.path.abspath(workdir)) / AVERAGED_DIR
   step = max(steps)
   manager = ocp.CheckpointManager(
       directory,
@@ -532,7 +532,7 @@ def average_and_save(
   if steps is None:
     steps = checkpoint_steps(workdir)[-num:]
     if not steps:
-      raise FileNotFoundError(f"No checkpoints to average in {epath.Path(workdir) / CHECKPOINT_DIR}.")
+      raise FileNotFoundError(f"No checkpoints to average in {epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR}.")
   steps = [int(s) for s in steps]
   params = average_checkpoints(workdir, target_params, steps=steps, params_key=params_key)
   save_averaged(workdir, params, steps)
@@ -573,7 +573,7 @@ def load_params(
     params, or (params, info) with `with_info=True`; info has "kind"
     ("averaged" | "step"), "step", "path" and, for averaged, "averaged_steps".
   """
-  workdir = epath.Path(workdir)
+  workdir = epath.Path(os.path.abspath(workdir))
   if which == "auto":
     which = "averaged" if checkpoint_steps(workdir, AVERAGED_DIR) else "latest"
   if which == "averaged":

@@ -1,0 +1,192 @@
+"""Shared pieces of the benchmarks: the project's two benchmark shapes, a FLOP
+model of the Transformer, the machine's measured matmul peak, and a timer.
+
+Shapes (float32 everywhere):
+
+  S  shared vocabulary 8192, d_model 256, 4 heads, d_ff 1024, 3 + 3 layers,
+     batch 32, source and target length 64.
+  B  the paper's base model (d_model 512, 8 heads, d_ff 2048, 6 + 6 layers),
+     vocabulary 32000, batch 16, source and target length 64.
+
+  config, batch, src_len, tgt_len = SHAPES["S"](dropout_rate=0.1)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from transformer.model import TransformerConfig
+
+
+# ----------------------------------------------------------------------------
+# Shapes
+# ----------------------------------------------------------------------------
+
+
+def shape_s(dropout_rate: float = 0.0, **overrides):
+  """-> (TransformerConfig, batch, src_len, tgt_len) of the small shape S."""
+  config = TransformerConfig(
+      vocab_size=8192, d_model=256, num_heads=4, d_ff=1024,
+      num_encoder_layers=3, num_decoder_layers=3, dropout_rate=dropout_rate,
+      dtype="float32", param_dtype="float32", **overrides)
+  return config, 32, 64, 64
+
+
+def shape_b(dropout_rate: float = 0.0, **overrides):
+  """-> (TransformerConfig, batch, src_len, tgt_len) of the base shape B."""
+  config = TransformerConfig(
+      vocab_size=32000, d_model=512, num_heads=8, d_ff=2048,
+      num_encoder_layers=6, num_decoder_layers=6, dropout_rate=dropout_rate,
+      dtype="float32", param_dtype="float32", **overrides)
+  return config, 16, 64, 64
+
+
+SHAPES: dict[str, Callable] = {"S": shape_s, "B": shape_b}
+
+
+def random_batch(config: TransformerConfig, batch: int, src_len: int, tgt_len: int,
+                 seed: int = 0):
+  """A fixed random batch of real tokens (ids >= 3, no padding):
+  -> (inputs [batch, src_len], targets [batch, tgt_len]) int32."""
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  inputs = jax.random.randint(k1, (batch, src_len), 3, config.vocab_size, jnp.int32)
+  targets = jax.random.randint(k2, (batch, tgt_len), 3, config.vocab_size, jnp.int32)
+  return inputs, targets
+
+
+# ----------------------------------------------------------------------------
+# FLOP model
+# ----------------------------------------------------------------------------
+
+
+def matmul_weights(config: TransformerConfig) -> dict[str, int]:
+  """Matmul weight counts (no biases, LayerNorm or embedding lookups):
+  per encoder layer, per decoder layer, and the output projection."""
+  d, f = config.d_model, config.d_ff
+  attention = 4 * d * d            # W^Q, W^K, W^V, W^O
+  ffn = 2 * d * f                  # W_1, W_2
+  return {"encoder_layer": attention + ffn,
+          "decoder_layer": 2 * attention + ffn,   # self + cross attention
+          "output_projection": d * config.vocab_size}
+
+
+def forward_flops(config: TransformerConfig, batch: int, src_len: int,
+                  tgt_len: int) -> int:
+  """Model FLOPs of one forward pass (teacher forcing, logits over all targets).
+
+    2 * W_enc * N_enc * (batch * src_len)           encoder layer weights x source tokens
+  + 2 * W_dec * N_dec * (batch * tgt_len)           decoder layer weights x target tokens
+  + 2 * d_model * vocab * (batch * tgt_len)         output projection x target tokens
+  + batch * 4 * d_model * (N_enc * src^2            attention scores QK^T and AV,
+                           + N_dec * tgt^2          2 * 2 * len_q * len_k * d_model
+                           + N_dec * tgt * src)     per layer and sequence
+
+  with W_enc = 4 d^2 + 2 d d_ff, W_dec = 8 d^2 + 2 d d_ff (matmul weights only,
+  a multiply-add counted as 2 FLOPs). The decoder self-attention is counted as
+  the full tgt x tgt square, with no discount for the causal mask (the kernels
+  compute the whole square). Embedding lookups, biases, LayerNorm, softmax and
+  the loss count 0.
+  """
+  w = matmul_weights(config)
+  n_enc, n_dec = config.num_encoder_layers, config.num_decoder_layers
+  src_tokens, tgt_tokens = batch * src_len, batch * tgt_len
+  dense = 2 * (w["encoder_layer"] * n_enc * src_tokens
+               + w["decoder_layer"] * n_dec * tgt_tokens
+               + w["output_projection"] * tgt_tokens)
+  attention = batch * 4 * config.d_model * (
+      n_enc * src_len * src_len + n_dec * tgt_len * tgt_len + n_dec * tgt_len * src_len)
+  return int(dense + attention)
+
+
+def training_flops_per_step(config: TransformerConfig, batch: int, src_len: int,
+                            tgt_len: int) -> int:
+  """Model FLOPs of one training step: forward + backward = 3 x forward.
+
+    6 * (W_enc * N_enc * batch * src_len
+         + W_dec * N_dec * batch * tgt_len
+         + d_model * vocab * batch * tgt_len)
+  + 3 * batch * 4 * d_model * (N_enc * src^2 + N_dec * tgt^2 + N_dec * tgt * src)
+
+  i.e. 6 x (matmul weights) x (tokens they act on) plus 3 x the forward
+  attention-score and attention-value matmuls (QK^T and AV, 2 x 2 x len_q x
+  len_k x d_model each layer and sequence: encoder self, decoder self, decoder
+  cross). Decoder self-attention counts the full square, without a causal
+  discount. See `forward_flops`; embedding lookups count 0, so do the optimizer
+  update, biases, LayerNorm and softmax.
+  """
+  return 3 * forward_flops(config, batch, src_len, tgt_len)
+
+
+# ----------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------
+
+
+def time_fn(fn: Callable, *args, repeats: int = 5, warmup: int = 1):
+  """Runs `fn(*args)` `warmup` times, then times `repeats` calls, each waited
+  for with `jax.block_until_ready`. -> (median seconds, [seconds of each call])."""
+  timing = time_fn_detailed(fn, *args, repeats=repeats, warmup=warmup)
+  return timing["median_s"], timing["times_s"]
+
+
+def time_fn_detailed(fn: Callable, *args, repeats: int = 5, warmup: int = 1) -> dict:
+  """`time_fn` that also records the process CPU time of every call.
+
+  On a shared machine the wall time of a call mostly says how many cores the
+  other processes left us (here it varied 4x between identical calls), while the
+  CPU time, the work done, moves by about 10%. `cpu_s / os.cpu_count()` is thus a
+  load-robust estimate of the wall time on an idle machine (an upper bound: it
+  also counts threads spinning while they wait for work).
+
+  -> {"median_s", "times_s", "min_s", "median_cpu_s", "cpu_s"}.
+  """
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times, cpu = [], []
+  for _ in range(repeats):
+    cpu_start, start = time.process_time(), time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+    cpu.append(time.process_time() - cpu_start)
+  return {"median_s": statistics.median(times), "times_s": times, "min_s": min(times),
+          "median_cpu_s": statistics.median(cpu), "cpu_s": cpu}
+
+
+def measure_matmul_peak(dtype=jnp.float32, sizes=(1024, 2048, 4096),
+                        repeats: int = 5, detailed: bool = False):
+  """The machine's matmul peak: the best FLOP/s of a jitted `jnp.dot` of two
+  random n x n matrices over `sizes` and `repeats` runs each (2 n^3 FLOPs).
+  (n = 1024 is included because on a loaded machine the larger ones, whose
+  operands exceed the L3 cache, suffer most from the neighbours.)
+
+  -> (FLOP/s, the n that reached it). Best rather than median: the peak is what
+  the hardware can do when nothing else is running. With `detailed`, a dict that
+  adds the load-robust peak from CPU time, 2 n^3 / (cpu_s / os.cpu_count()),
+  best over sizes and runs (see `time_fn_detailed`).
+  """
+  dot = jax.jit(jnp.dot)
+  best, best_n, best_cpu = 0.0, 0, 0.0
+  for n in sizes:
+    ka, kb = jax.random.split(jax.random.key(n))
+    a = jax.random.normal(ka, (n, n), dtype)
+    b = jax.random.normal(kb, (n, n), dtype)
+    timing = time_fn_detailed(dot, a, b, repeats=repeats, warmup=1)
+    rate = 2 * n ** 3 / timing["min_s"]
+    if rate > best:
+      best, best_n = rate, n
+    best_cpu = max(best_cpu, 2 * n ** 3 / (min(timing["cpu_s"]) / os.cpu_count()))
+  if detailed:
+    return {"flops": best, "n": best_n, "flops_cpu": best_cpu}
+  return best, best_n
+
+
+def machine_load() -> str:
+  """`uptime`'s load averages (1, 5, 15 min) and the CPU count, as text."""
+  one, five, fifteen = os.getloadavg()
+  return f"load {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"

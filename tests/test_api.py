@@ -1,0 +1,258 @@
+"""The notebook-level API (`transformer.demo_config / train / load_translator`)
+and the README's API example, run as tests.
+
+README.md holds the example between the markers
+
+    <!-- api-example-start -->
+    ```python
+    ...
+    ```
+    <!-- api-example-end -->
+
+`API_EXAMPLE` below is the same example. Both are executed (a README example
+identical to `API_EXAMPLE` is run once) and their results checked: a README
+example that stops working fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import transformer
+from transformer import data, training, translation
+from transformer.tokenizer import UNK_ID
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+START_MARKER = "<!-- api-example-start -->"
+END_MARKER = "<!-- api-example-end -->"
+
+# The README's example: a smoke run (seconds). For real translations use
+# transformer.demo_config() as it is (1200 steps, a few minutes on a CPU).
+API_EXAMPLE = '''\
+import transformer
+
+# A 30-step smoke run of a tiny model (transformer.demo_config() as it is learns the task).
+config = transformer.demo_config(num_train_steps=30, num_bleu_examples=8,
+                                 log_every=10, eval_every=1000, checkpoint_every=30)
+config.model.update(d_model=32, num_heads=2, d_ff=64,
+                    num_encoder_layers=1, num_decoder_layers=1)
+result = transformer.train(config, "runs/api-example", quiet=True)
+print(result.eval["loss"], result.eval["bleu"])
+
+translator = transformer.load_translator("runs/api-example")
+sentences = ["forty-two red apples", "one small cat"]
+beams = translator.translate(sentences, method="beam")   # beam 4, alpha 0.6 (the paper)
+samples = translator.translate(sentences, method="sample", top_k=5, seed=1)
+print(beams, samples)
+source, target, weights = translator.cross_attention(sentences[0])
+print(weights.shape)   # [decoder layers, heads, target pieces, source pieces]
+'''
+
+CACHE_SETTINGS = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def compilation_cache(tmp_path_factory):
+  """A persistent compilation cache for this module's runs (restored after)."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  path = tmp_path_factory.mktemp("jax_compilation_cache")
+  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
+  old = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  for name, value in CACHE_SETTINGS.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+  yield path
+  for name, value in old.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def run_example(tmp_path_factory, compilation_cache):
+  """run_example(code) -> (namespace, cwd): executes `code` in a fresh
+  namespace with a temporary current directory; each distinct code once."""
+  done: dict[str, tuple[dict, Path]] = {}
+
+  def run(code: str):
+    if code not in done:
+      cwd = tmp_path_factory.mktemp("api_example")
+      old = os.getcwd()
+      os.chdir(cwd)
+      try:
+        namespace = {"__name__": "__api_example__"}
+        exec(compile(code, "<api example>", "exec"), namespace)
+      finally:
+        os.chdir(old)
+      done[code] = (namespace, cwd)
+    return done[code]
+
+  return run
+
+
+def readme_example() -> str:
+  """The fenced python block between the README's markers (skips if absent)."""
+  if not README.exists():
+    pytest.skip("README.md does not exist yet; the lead adds the API example to it")
+  text = README.read_text(encoding="utf-8")
+  if START_MARKER not in text or END_MARKER not in text:
+    pytest.skip(f"README.md has no {START_MARKER} ... {END_MARKER} block yet "
+                "(the API example of tests/test_api.py goes there)")
+  section = text.split(START_MARKER, 1)[1].split(END_MARKER, 1)[0]
+  blocks = re.findall(r"^[ \t]*```(?:python|py)[ \t]*\n(.*?)^[ \t]*```", section,
+                      flags=re.DOTALL | re.MULTILINE)
+  assert len(blocks) == 1, (f"README.md: expected one ```python block between "
+                            f"{START_MARKER} and {END_MARKER}, found {len(blocks)}")
+  return textwrap.dedent(blocks[0])
+
+
+def check_example(namespace: dict, cwd: Path) -> None:
+  """What an API example promises. It must define `config`, `result`,
+  `translator` and `source, target, weights`; `sentences`, `beams` and
+  `samples` are checked when it defines them."""
+  for name in ("config", "result", "translator", "source", "target", "weights"):
+    assert name in namespace, f"the API example defines no `{name}`"
+  config, result = namespace["config"], namespace["result"]
+  assert isinstance(result, training.TrainResult)
+  assert result.step == config.num_train_steps
+  workdir = Path(result.workdir)
+  assert workdir.is_absolute() and workdir.is_relative_to(cwd.resolve()), workdir
+  assert np.isfinite(result.eval["loss"]) and 0.0 <= result.eval["accuracy"] <= 1.0
+  if config.num_bleu_examples:
+    assert 0.0 <= result.eval["bleu"] <= 100.0
+    assert len(result.samples) == config.num_bleu_examples
+  for name in ("vocab.model", "model_config.json", "metrics.jsonl"):
+    assert (workdir / name).exists(), name
+  saved = json.loads((workdir / "model_config.json").read_text())
+  for field, value in config.model.items():
+    assert saved[field] == value, (field, saved[field], value)
+
+  translator = namespace["translator"]
+  assert isinstance(translator, transformer.Translator)
+  assert translator.config == training.load_model_config(str(workdir))
+  sentences = namespace.get("sentences")
+  for name in ("beams", "samples"):
+    if name in namespace:
+      out = namespace[name]
+      assert isinstance(out, list) and all(isinstance(s, str) for s in out), (name, out)
+      assert len(out) == len(sentences), (name, out)
+  # Whatever the example printed, its translator keeps count, order and empty lines.
+  out = translator.translate(["forty-two red apples", "", "one small cat"], method="beam")
+  assert len(out) == 3 and out[1] == "" and all(isinstance(s, str) for s in out), out
+
+  cfg = translator.config
+  source, target, weights = namespace["source"], namespace["target"], namespace["weights"]
+  assert isinstance(weights, np.ndarray)
+  assert weights.shape == (cfg.num_decoder_layers, cfg.num_heads, len(target), len(source))
+  assert source[-1] == "</s>" and target[-1] == "</s>"
+  if sentences:
+    assert "".join(source[:-1]).replace("\u2581", " ").strip() == sentences[0]
+  assert np.all(weights >= 0.0)
+  np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-4)
+
+
+def test_api_example(run_example):
+  namespace, cwd = run_example(API_EXAMPLE)
+  check_example(namespace, cwd)
+
+
+def test_readme_api_example(run_example):
+  code = readme_example()
+  namespace, cwd = run_example(code)   # run once if identical to API_EXAMPLE
+  check_example(namespace, cwd)
+
+
+def test_translator_keeps_order_count_and_empty_lines(run_example):
+  namespace, _ = run_example(API_EXAMPLE)
+  translator = namespace["translator"]
+  # Short sentences (one padded length) and the example's settings: few compilations.
+  sentences = ["forty-two red apples", "", "one small cat", "  ", "seven new cars"]
+  for kwargs in (dict(method="greedy"), dict(method="beam"),
+                 dict(method="sample", top_k=5, top_p=0.9, temperature=0.7, seed=3)):
+    out = translator.translate(sentences, **kwargs)
+    assert len(out) == len(sentences), kwargs
+    assert all(isinstance(s, str) for s in out), kwargs
+    assert out[1] == "" and out[3] == "", kwargs
+  # Greedy decoding is deterministic, and one sentence alone decodes as in a batch.
+  greedy = translator.translate(sentences, method="greedy")
+  assert translator.translate([sentences[2]], method="greedy") == [greedy[2]]
+  assert translator.last_stats["sentences"] == 1
+
+  n_best = translator.translate(sentences[:3], method="beam", n_best=2)
+  assert len(n_best) == 3 and all(len(h) == 2 for h in n_best)
+  assert all(isinstance(t, str) and isinstance(s, float) for h in n_best for t, s in h)
+  assert n_best[1] == [("", 0.0), ("", 0.0)]
+
+  with pytest.raises(ValueError, match="method"):
+    translator.translate(sentences, method="nucleus")
+
+
+def test_cross_attention_of_a_given_target(run_example):
+  namespace, _ = run_example(API_EXAMPLE)
+  translator = namespace["translator"]
+  source, target, weights = translator.cross_attention("forty-two red apples",
+                                                       "zweiundvierzig rote Äpfel")
+  cfg = translator.config
+  assert weights.shape == (cfg.num_decoder_layers, cfg.num_heads, len(target), len(source))
+  assert "".join(target[:-1]).replace("\u2581", " ").strip() == "zweiundvierzig rote Äpfel"
+  assert np.all(weights >= 0.0)
+  np.testing.assert_allclose(weights.sum(axis=-1), 1.0, atol=1e-4)
+
+
+def test_load_translator_of_a_missing_workdir_says_so(tmp_path):
+  with pytest.raises(FileNotFoundError, match="train"):
+    transformer.load_translator(str(tmp_path / "nothing-here"))
+
+
+def _toy_pairs(count: int, seed: int) -> list[tuple[str, str]]:
+  """A toy task over a small alphabet: reverse a sequence of colour words."""
+  words = ["red", "green", "blue", "pink", "grey", "teal"]
+  rng = np.random.default_rng(seed)
+  pairs = []
+  for _ in range(count):
+    seq = [words[i] for i in rng.integers(len(words), size=int(rng.integers(2, 6)))]
+    pairs.append((" ".join(seq), " ".join(reversed(seq)).upper()))
+  return pairs
+
+
+def test_train_from_pairs_in_memory(tmp_path, compilation_cache):
+  train_pairs, eval_pairs = _toy_pairs(400, seed=0), _toy_pairs(12, seed=1)
+  config = transformer.demo_config(num_train_steps=10, num_bleu_examples=4, vocab_size=64,
+                                   batch_size=16, eval_every=1000, checkpoint_every=1000)
+  config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                      num_decoder_layers=1)
+  workdir = tmp_path / "mine"
+  result = transformer.train(config, str(workdir), train_pairs=train_pairs,
+                             eval_pairs=eval_pairs, quiet=True)
+  assert result.step == 10
+  assert np.isfinite(result.eval["loss"])
+  # The evaluation used eval_pairs, not the demo task of config.data.
+  assert [(s, r) for s, r, _ in result.samples] == eval_pairs[:4]
+
+  translator = transformer.load_translator(str(workdir))
+  assert translator.config.num_encoder_layers == 1 and translator.config.d_model == 32
+  # The vocabulary was learnt from train_pairs: their characters are known, the
+  # demo task's German ones (never seen here) are not.
+  tok = translator.tokenizer
+  assert UNK_ID not in tok.encode(" ".join(s + " " + t for s, t in train_pairs[:50]))
+  demo_german = data.demo_phrase(1, "big", "house")[1] + " Äpfel"   # 'ein großes Haus Äpfel'
+  assert UNK_ID in tok.encode(demo_german)
+
+  sources = [s for s, _ in eval_pairs]
+  out = translator.translate(sources + [""], method="greedy")
+  assert len(out) == len(sources) + 1 and out[-1] == ""
+  assert all(isinstance(s, str) for s in out)
+  assert isinstance(translator, translation.Translator)
+  assert isinstance(translator, transformer.Translator)
