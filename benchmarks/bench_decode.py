@@ -52,6 +52,37 @@ def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
           "tokens_per_s": NUM_SENTENCES * GEN_LEN / seconds, "compile_s": compile_s}
 
 
+def matmul_floor(shape: str, rows: int, repeats: int) -> float:
+  """Seconds that the decoder's weight matrices alone take for the same work:
+  `rows` (sentences x beams) times every per-step weight matrix (self-attention
+  Q, K, V, O; cross-attention Q, O; feed-forward W_1, W_2; the vocabulary
+  projection) for GEN_LEN steps, chained in a `lax.scan` as in decoding. No
+  attention, softmax, LayerNorm or search: a lower bound for this machine and
+  XLA's matmuls, whatever the decoder does around them."""
+  config, *_ = common.SHAPES[shape]()
+  d, f, layers = config.d_model, config.d_ff, config.num_decoder_layers
+  keys = iter(jax.random.split(jax.random.key(0), 4))
+  weights = {"attention": 0.02 * jax.random.normal(next(keys), (layers, 6, d, d)),
+             "inner": 0.02 * jax.random.normal(next(keys), (layers, d, f)),
+             "outer": 0.02 * jax.random.normal(next(keys), (layers, f, d)),
+             "vocab": 0.02 * jax.random.normal(next(keys), (config.vocab_size, d))}
+
+  def step(x, w):
+    for layer in range(layers):
+      for j in range(6):
+        x = x + x @ w["attention"][layer, j]
+      x = x + jax.nn.relu(x @ w["inner"][layer]) @ w["outer"][layer]
+    logits = x @ w["vocab"].T
+    return x + 1e-3 * logits[:, :d]
+
+  @jax.jit
+  def run(x, w):
+    return jax.lax.scan(lambda x, _: (step(x, w), None), x, None, length=GEN_LEN)[0]
+
+  seconds, _ = common.time_fn(run, jax.numpy.ones((rows, d)), weights, repeats=repeats)
+  return seconds
+
+
 def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
   from transformer import data
   from transformer.translation import load_translator
@@ -80,15 +111,22 @@ def main():
   args = parser.parse_args()
   rows = []
   for shape in args.shapes.split(","):
-    rows.append(bench(shape, "greedy", 1, args.repeats))
-    rows.append(bench(shape, "beam", 4, args.repeats))
+    for method, beams in (("greedy", 1), ("beam", 4)):
+      row = bench(shape, method, beams, args.repeats)
+      row["floor_s"] = matmul_floor(shape, NUM_SENTENCES * beams, args.repeats)
+      rows.append(row)
   print(f"\n{common.machine_load()}; jax {jax.__version__}, {jax.devices()[0].platform}; "
         f"{NUM_SENTENCES} sentences x {SRC_LEN} source tokens -> {GEN_LEN} tokens")
-  print("\n| shape | method | sentences/s | generated tokens/s | batch time (s) | compile (s) |")
-  print("|---|---|---|---|---|---|")
+  print("\n| shape | method | sentences/s | generated tokens/s | batch time (s) | "
+        "matmuls alone (s) | compile (s) |")
+  print("|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['shape']} | {r['method']} | {r['sentences_per_s']:.1f} | "
-          f"{r['tokens_per_s']:.0f} | {r['seconds']:.3f} | {r['compile_s']:.1f} |")
+          f"{r['tokens_per_s']:.0f} | {r['seconds']:.3f} | {r['floor_s']:.3f} | "
+          f"{r['compile_s']:.1f} |")
+  print("\nmatmuls alone: the decoder's per-step weight matrices times the same rows "
+        "for the same steps, nothing else (see matmul_floor): what the machine's "
+        "matmuls need for this work.")
   if args.early_exit_workdir:
     print("\n" + early_exit_saving(args.early_exit_workdir))
 

@@ -155,7 +155,7 @@ def make_markov_model(log_table):
 # Arguments that fix shapes or Python control flow; the others (ids, lengths,
 # alpha, temperature, top_p, the PRNG key) are passed traced, which checks that
 # nothing is hard-coded and lets tests share compilations.
-STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit")
+STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache")
 # Compiling dominates the run time of these tests; XLA's -O0 cuts it by about a
 # third and does not change what is computed.
 jit = functools.partial(jax.jit,

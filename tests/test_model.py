@@ -285,7 +285,7 @@ def incremental_logits(cfg, params, src, dec_in, beams=1):
       {"params": p}, model.apply({"params": p}, s, method=M.Transformer.encode), s,
       method=M.Transformer.encoder_memory))(params, src)
   flat = jnp.repeat(dec_in, beams, axis=0)
-  cache = M.init_cache(cfg, flat.shape[0], dec_in.shape[1])
+  cache = M.init_cache(cfg, dec_in.shape[0], dec_in.shape[1], beams)
   step = jax.jit(compiler_options=FAST_COMPILE)(lambda t, c: model.apply({"params": params}, t, c, memory,
                                           method=M.Transformer.decode_step))
   outs = []
@@ -308,6 +308,68 @@ def test_incremental_decoding_equals_full_forward(normalization, scan_layers):
   # Three beams per input share one copy of the cross-attention memory.
   beams = incremental_logits(cfg, params, src, dec_in, beams=3)
   np.testing.assert_allclose(beams, jnp.repeat(full, 3, axis=0), atol=2e-5)
+
+
+def full_forward_tokens_to_logits(cfg, params, max_len):
+  """A decoder without a key/value cache, for `decoding`'s generic beam search:
+  its cache is the source and the tokens fed so far, and every step re-runs the
+  whole teacher-forced forward pass (positions after `index` are padding,
+  which the causal mask hides)."""
+  model = M.Transformer(cfg)
+
+  def tokens_to_logits(token_ids, cache):
+    index = cache["index"]
+    history = jax.lax.dynamic_update_slice_in_dim(cache["history"], token_ids[:, None],
+                                                  index, axis=1)
+    logits = model.apply({"params": params}, cache["source"], history)
+    logits = jax.lax.dynamic_index_in_dim(logits, index, axis=1, keepdims=False)
+    return logits, dict(cache, index=index + 1, history=history)
+
+  def init(source):
+    return {"index": jnp.int32(0), "source": source,
+            "history": jnp.zeros((source.shape[0], max_len), jnp.int32)}
+  return tokens_to_logits, init
+
+
+def test_beam_search_with_in_place_cache_equals_full_forward_search():
+  """The decoder's beam cache never moves keys/values (beams attend through the
+  ancestry table): the search must equal one that re-runs the full forward
+  pass over each hypothesis' tokens, reordered by the generic gather."""
+  from transformer import decoding
+  from transformer.translation import Translator
+  # Pre-LN and larger random weights: hypotheses that differ, so beams are
+  # reordered (at initialisation a post-LN model says nearly the same thing
+  # whatever the input and history).
+  cfg = tiny_config(num_decoder_layers=3, vocab_size=12, normalization="pre")
+  leaves, tree = jax.tree_util.tree_flatten(M.init_params(cfg, jax.random.key(5)))
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = jax.tree_util.tree_unflatten(
+      tree, [0.3 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+  src, _ = random_batch(cfg, np.random.default_rng(9))
+  batch, beams, max_len, min_len = src.shape[0], 3, 6, 2
+  tokens_to_logits, init = full_forward_tokens_to_logits(cfg, params, max_len)
+  common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
+                min_len=min_len)
+  want_seqs, want_scores = jax.jit(functools.partial(
+      decoding.beam_search, tokens_to_logits, beam_size=beams, length_penalty=0.6,
+      **common), compiler_options=FAST_COMPILE)(init(src))
+  assert len({tuple(s) for s in np.asarray(want_seqs).reshape(-1, max_len)}) > batch
+
+  translator = Translator(cfg, params, tokenizer=None)
+  decode = translator._decode_fn("beam", batch, src.shape[1], max_len, beams, 0)
+  seqs, scores = decode(translator.params, np.asarray(src), jax.random.key(0), 0.6, 1.0,
+                        1.0, min_len)
+  np.testing.assert_array_equal(seqs, want_seqs)
+  np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
+
+  greedy = translator._decode_fn("greedy", batch, src.shape[1], max_len, 1, 0)
+  seqs, scores = greedy(translator.params, np.asarray(src), jax.random.key(0), 0.6, 1.0,
+                        1.0, min_len)
+  want_seqs, want_scores = jax.jit(functools.partial(
+      decoding.greedy_search, tokens_to_logits, **common),
+      compiler_options=FAST_COMPILE)(init(src))
+  np.testing.assert_array_equal(seqs[:, 0], want_seqs)
+  np.testing.assert_allclose(scores[:, 0], want_scores, rtol=1e-5)
 
 
 def unstack_scanned(params, cfg):

@@ -11,14 +11,24 @@ only sees a callable
   cache:     any pytree (the decoder's self-attention keys/values, the position
              index, ...).
 
-Cache layout contract. Every cache leaf with ndim >= 1 has the flat batch on
-axis 0; scalar leaves (ndim 0, e.g. the decode position) are passed through
-untouched. For beam search the flat batch is batch-major: row
-`b * beam_size + j` is beam j of input b, so a model may reshape
-`[batch * beams, ...] -> [batch, beams, ...]` to share per-input data (the
-encoder's cross-attention keys/values) between the beams of one input. The cache
-handed to `beam_search` is for `[batch]`; the strategy expands it with
-`jnp.repeat(leaf, beam_size, axis=0)`.
+Cache contract. Greedy search and sampling never look inside the cache. Beam
+search must make the cache follow the hypotheses it keeps, in one of two ways:
+
+  * generic (default): every cache leaf with ndim >= 1 has the flat batch on
+    axis 0 and is gathered along it at every step; scalar leaves (ndim 0, e.g.
+    the decode position) are passed through untouched. The cache handed to
+    `beam_search` is for `[batch]`; the strategy expands it with
+    `jnp.repeat(leaf, beam_size, axis=0)`.
+  * `reorder_cache(cache, parents [batch, beams]) -> cache`: the model does it
+    itself, from a cache it built for `batch * beams` rows. The Transformer
+    uses this to keep its keys/values in place and move only a small table of
+    which slot holds which position (`model.reorder_cache`): gathering the
+    whole cache at every step costs more memory traffic than the weights.
+
+Either way the flat batch is batch-major: row `b * beam_size + j` is beam j of
+input b, so a model may reshape `[batch * beams, ...] -> [batch, beams, ...]`
+to share per-input data (the encoder's cross-attention keys/values) between
+the beams of one input.
 
 Conventions shared by all strategies:
   * `sequences` hold generated tokens only (not the BOS): the EOS token when one
@@ -170,7 +180,6 @@ def _sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
   logits already carry the min_len constraint.
   Returns (sequences [batch, max_len] int32, scores [batch] float32).
   """
-  _check_cache(cache, batch_size)
 
   def step_fn(state: _SamplingState) -> _SamplingState:
     logits, cache = _step_logits(tokens_to_logits, state.last_tokens,
@@ -340,7 +349,9 @@ def _gather_beams(x: jax.Array, indices: jax.Array) -> jax.Array:
 def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                 batch_size: int, beam_size: int = 4, length_penalty=0.6,
                 max_len: int, bos_id: int, eos_id: int, min_len: int = 0,
-                early_exit: bool = True) -> tuple[jax.Array, jax.Array]:
+                early_exit: bool = True,
+                reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
+                ) -> tuple[jax.Array, jax.Array]:
   """Beam search with the GNMT length penalty.
 
   Each input keeps `beam_size` alive hypotheses (no EOS yet, ranked by
@@ -371,10 +382,11 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     tokens_to_logits: (token_ids [batch * beams] int32, cache) ->
       (logits [batch * beams, vocab], cache). Row b * beam_size + j is beam j
       of input b.
-    cache: the model's decoding cache for [batch] (leaves with ndim >= 1 have
-      the batch on axis 0, scalars are passed through). It is repeated
-      beam_size times along axis 0, then its batched leaves are reordered with
-      the surviving beams at every step.
+    cache: without `reorder_cache`, the model's decoding cache for [batch]
+      (leaves with ndim >= 1 have the batch on axis 0, scalars are passed
+      through): it is repeated beam_size times along axis 0, then its batched
+      leaves are reordered with the surviving beams at every step. With
+      `reorder_cache`, the cache for batch * beam_size rows, used as given.
     batch_size: number of inputs.
     beam_size: hypotheses kept per input (the paper: 4).
     length_penalty: alpha (the paper: 0.6).
@@ -383,14 +395,24 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     eos_id: ends a hypothesis; later positions are 0 (PAD).
     min_len: EOS is forbidden at steps t < min_len.
     early_exit: stop once no input can improve (same results, less time).
+    reorder_cache: (cache, parents [batch, beam_size] int32) -> the cache of
+      the kept hypotheses, where hypothesis j of input b extends beam
+      parents[b, j] of the previous step. None: gather every batched leaf.
 
   Returns:
     sequences: [batch, beam_size, max_len] int32, n-best, best first.
     scores: [batch, beam_size] float32, log p / lp as above.
   """
-  _check_cache(cache, batch_size)
   alpha = length_penalty
   batch, beams = batch_size, beam_size
+  if reorder_cache is None:
+    _check_cache(cache, batch_size)
+    cache = _map_batched(lambda x: jnp.repeat(x, beams, axis=0), cache)
+
+    def reorder_cache(cache, parents):
+      # A gather along the flat batch axis of every batched leaf.
+      flat_parents = (jnp.arange(batch)[:, None] * beams + parents).reshape(-1)
+      return _map_batched(lambda x: jnp.take(x, flat_parents, axis=0), cache)
 
   def step_fn(state: _BeamState) -> _BeamState:
     step = state.step
@@ -416,10 +438,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     new_alive_log_probs, alive_idx = lax.top_k(
         jnp.where(ends, NEG_INF, topk_log_probs), beams)
     alive_parents = jnp.take_along_axis(topk_parents, alive_idx, axis=1)
-    # Reorder the cache to follow the surviving beams: a gather along the flat
-    # batch axis of every batched leaf (scalars, e.g. the position, untouched).
-    flat_parents = (jnp.arange(batch)[:, None] * beams + alive_parents).reshape(-1)
-    cache = _map_batched(lambda x: jnp.take(x, flat_parents, axis=0), cache)
+    # The cache follows the surviving beams.
+    cache = reorder_cache(cache, alive_parents)
 
     # Finished: the old finished ones and the candidates that just emitted EOS
     # (length step + 1, EOS included) compete for the beam_size slots. Old ones
@@ -462,7 +482,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       last_tokens=jnp.full((batch, beams), bos_id, jnp.int32),
       finished_seqs=jnp.zeros((batch, beams, max_len), jnp.int32),
       finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
-      cache=_map_batched(lambda x: jnp.repeat(x, beams, axis=0), cache),
+      cache=cache,
   )
   state = _decode_loop(step_fn, done_fn, state, max_len, early_exit)
 

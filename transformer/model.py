@@ -27,7 +27,11 @@ cache filled one position per step, and takes the encoder-decoder attention keys
 and values from a `memory` computed once per input (`Transformer.encoder_memory`),
 never recomputed per step. Beams of one input share that memory: the decoder
 reshapes its `[batch * beams]` queries to `[batch, beams]` and lets the beams
-attend to the same keys as if they were extra query positions.
+attend to the same keys as if they were extra query positions. The beams'
+self-attention caches are never copied either: each beam writes into its own
+slot, and an `ancestry` table says which slot holds each position of a beam's
+history (`Decoder.step`, `reorder_cache`). Decoding keeps keys/values heads
+first, `[batch, heads, length, d_k]`, so a step transposes nothing of size.
 """
 
 from __future__ import annotations
@@ -303,6 +307,52 @@ class MultiHeadAttention(nn.Module):
     key, value = self.project_key_value(inputs_kv)
     return self.attend(inputs_q, key, value, mask)
 
+  # -- incremental decoding ---------------------------------------------------
+
+  def project_key_value_for_step(self, inputs_kv: Array) -> tuple[Array, Array]:
+    """`[batch, kv_length, d_model]` -> keys `[batch, heads, 1, d_k, kv_length]`
+    and values `[batch, heads, kv_length, d_v]`: the layouts `attend_step`
+    reads (one "slot", as the encoder memory is shared by all beams)."""
+    key, value = self.project_key_value(inputs_kv)
+    return key.transpose(0, 2, 3, 1)[:, :, None], value.transpose(0, 2, 1, 3)
+
+  def attend_step(self, inputs_q: Array, key: Array, value: Array, mask: Array) -> Array:
+    """One decoding step: `batch * beams` queries against per-input keys/values.
+
+    The `beams` rows of one input (rows b * beams ... b * beams + beams - 1) are
+    its query positions, so keys/values shared by the beams (the encoder
+    memory, or the cache slots of all its beams) are read once per input.
+
+    Args:
+      inputs_q: `[batch * beams, 1, d_model]`.
+      key: `[batch, heads, slots, d_k, kv_length]`.
+      value: `[batch, heads, slots * kv_length, d_v]` (slot-major).
+      mask: bool, broadcastable to `[batch, heads, beams, slots, kv_length]`.
+    Returns:
+      `[batch * beams, 1, d_model]`.
+
+    The layouts are chosen so that nothing of the cache's size is transposed
+    or copied per step.
+    """
+    cfg = self.config
+    batch, flat = key.shape[0], inputs_q.shape[0]
+    beams = flat // batch
+    query = self.query(inputs_q) / jnp.sqrt(jnp.asarray(cfg.head_dim, inputs_q.dtype))
+    query = query.reshape(batch, beams, cfg.num_heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    # scores[b, h, q, s, t] = sum_d query[b, h, q, d] key[b, h, s, d, t], as
+    # d_k multiply-adds of whole [.., length] rows: one elementwise loop that
+    # streams the keys once (a matmul or a reduce measured 10-20x slower here).
+    query = query.astype(jnp.float32)
+    scores = sum(query[:, :, :, None, d, None] * key[:, :, None, :, d, :]
+                 for d in range(cfg.head_dim))
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=(3, 4)).astype(value.dtype)
+    # heads[b, h, q, d] = sum_{s, t} weights[b, h, q, s, t] value[b, h, s * length + t, d]
+    weights = weights.reshape(weights.shape[:3] + (-1,))
+    heads = jnp.einsum("bhqx,bhxd->bhqd", weights, value)
+    heads = heads.transpose(0, 2, 1, 3).reshape(flat, 1, cfg.num_heads, cfg.head_dim)
+    return self.out(heads)
+
 
 class FeedForward(nn.Module):
   """Section 3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position."""
@@ -434,46 +484,68 @@ class DecoderLayer(nn.Module):
   def memory(self, encoded: Array) -> tuple[Array, Array]:
     """Encoder-decoder attention keys/values, computed once per input for decoding.
 
-    `[batch, src_length, d_model]` -> 2 x `[batch, src_length, heads, d_k]`.
+    `[batch, src_length, d_model]` -> keys `[batch, heads, 1, d_k, src_length]`,
+    values `[batch, heads, 1, src_length, d_k]` (see `MultiHeadAttention.attend_step`).
     """
-    return self.cross_attention.project_key_value(encoded)
+    return self.cross_attention.project_key_value_for_step(encoded)
 
   def step(self, y: Array, cache: dict, memory: tuple[Array, Array],
-           cross_mask: Array, index: Array) -> tuple[Array, dict]:
+           cross_mask: Array, self_mask: Array, index: Array) -> tuple[Array, dict]:
     """One decoding step at position `index` for `batch * beams` rows.
 
     Args:
       y: `[batch * beams, 1, d_model]`, the embedded previous tokens.
-      cache: {"key", "value"}: `[batch * beams, max_decode_len, heads, d_k]`.
-      memory: this layer's cross-attention keys/values `[batch, src_length, heads, d_k]`.
-      cross_mask: `[batch, 1, 1, src_length]`.
+      cache: {"key": `[batch, heads, beams, d_k, max_decode_len]`, "value":
+        `[batch, heads, beams * max_decode_len, d_k]`}; beam j of input b
+        writes position `index` into its own slot j.
+      memory: this layer's cross-attention keys/values (`DecoderLayer.memory`).
+      cross_mask: `[batch, 1, 1, 1, src_length]`.
+      self_mask: `[batch or 1, 1, beams, beams or 1, max_decode_len]`, which
+        cache slots each beam may see (its own history, see `Decoder.step`).
       index: scalar, the position being decoded.
     Returns:
-      `([batch * beams, 1, d_model], updated cache)`.
+      `([batch * beams, 1, d_model]`, updated cache).
     """
     def self_attention(h):
-      # Write this position's key/value into the cache, attend to positions <= index.
       new_key, new_value = self.self_attention.project_key_value(h)
-      cache["key"] = jax.lax.dynamic_update_slice_in_dim(
-          cache["key"], new_key.astype(cache["key"].dtype), index, axis=1)
-      cache["value"] = jax.lax.dynamic_update_slice_in_dim(
-          cache["value"], new_value.astype(cache["value"].dtype), index, axis=1)
-      visible = jnp.arange(cache["key"].shape[1]) <= index
-      return self.self_attention.attend(h, cache["key"], cache["value"],
-                                        visible[None, None, None, :])
+      cache["key"] = _write_position(cache["key"], new_key, index, axis=4)
+      cache["value"] = _write_value_position(cache["value"], new_value, index)
+      return self.self_attention.attend_step(h, cache["key"], cache["value"], self_mask)
 
     def cross_attention(h):
-      # The beams of one input become query positions against its shared memory.
-      batch = memory[0].shape[0]
-      flat_batch = h.shape[0]
-      h = h.reshape(batch, flat_batch // batch, h.shape[-1])
-      out = self.cross_attention.attend(h, *memory, cross_mask)
-      return out.reshape(flat_batch, 1, out.shape[-1])
+      return self.cross_attention.attend_step(h, *memory, cross_mask)
 
     cache = dict(cache)
     y = self.self_attention_norm(y, self_attention)
     y = self.cross_attention_norm(y, cross_attention)
     return self.feed_forward_norm(y, self.feed_forward), cache
+
+
+def _write_position(cache: Array, new: Array, index: Array, axis: int) -> Array:
+  """Writes `new` `[batch * beams, 1, heads, d_k]` at position `index` (on
+  `axis`) of `cache` `[batch, heads, beams, ...]`, beam j into slot j."""
+  batch, heads, beams = cache.shape[:3]
+  new = new.reshape(batch, beams, heads, -1).transpose(0, 2, 1, 3)
+  new = jnp.expand_dims(new, axis)
+  start = [0] * cache.ndim
+  start[axis] = index
+  return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
+
+
+def _write_value_position(cache: Array, new: Array, index: Array) -> Array:
+  """Writes `new` `[batch * beams, 1, heads, d_v]` at position `index` of
+  `cache` `[batch, heads, beams * max_decode_len, d_v]`, beam j at j * max_decode_len + index.
+
+  One in-place update per beam: a single reshaped update would make XLA copy
+  the whole cache for the matmul that reads it."""
+  batch, heads, flat_length, d_v = cache.shape
+  beams = new.shape[0] // batch
+  length = flat_length // beams
+  new = new.reshape(batch, beams, heads, d_v).transpose(0, 2, 1, 3).astype(cache.dtype)
+  for j in range(beams):
+    cache = jax.lax.dynamic_update_slice(cache, new[:, :, j:j + 1],
+                                         (0, 0, j * length + index, 0))
+  return cache
 
 
 # ----------------------------------------------------------------------------
@@ -497,8 +569,8 @@ class _ScannedDecoderLayer(DecoderLayer):
   def memory(self, encoded, _):
     return encoded, super().memory(encoded)
 
-  def step(self, y, cache, memory, cross_mask, index):
-    return super().step(y, cache, memory, cross_mask, index)
+  def step(self, y, cache, memory, cross_mask, self_mask, index):
+    return super().step(y, cache, memory, cross_mask, self_mask, index)
 
 
 def _scan(layer_cls, config: TransformerConfig, length: int, methods: dict):
@@ -560,9 +632,7 @@ class Decoder(nn.Module):
           _maybe_remat(_ScannedDecoderLayer, cfg), cfg, cfg.num_decoder_layers,
           {"__call__": dict(in_axes=broadcast),
            "memory": dict(in_axes=(0,)),
-           # The self-attention cache keeps the batch on axis 0 (so that beam
-           # search can reorder it), hence layers on axis 1.
-           "step": dict(in_axes=(1, 0, broadcast, broadcast), out_axes=1)},
+           "step": dict(in_axes=(0, 0, broadcast, broadcast, broadcast))},
       )(cfg, det)
     else:
       self.layers = [_maybe_remat(DecoderLayer, cfg)(cfg, det)
@@ -606,19 +676,40 @@ class Decoder(nn.Module):
     return [layer.memory(encoded) for layer in self.layers]
 
   def step(self, tokens: Array, cache: dict, memory, cross_mask: Array):
-    """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache."""
+    """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache.
+
+    Beam j of input b writes its keys/values into its own cache slot j, and no
+    slot is ever moved: when beam search keeps a hypothesis, only the small
+    `ancestry` table follows it (`reorder_cache`). `ancestry[b, j, t]` is the
+    slot that holds position t of beam j's history, so beam j attends to slot
+    p at position t iff t <= index and ancestry[b, j, t] == p.
+    """
     cfg = self.config
-    index = cache["index"]
+    index, ancestry = cache["index"], cache["ancestry"]
+    batch, beams, length = ancestry.shape
+    # This step's position is written by each beam into its own slot.
+    own_slot = jnp.broadcast_to(jnp.arange(beams, dtype=ancestry.dtype)[None, :, None],
+                                (batch, beams, 1))
+    ancestry = jax.lax.dynamic_update_slice(ancestry, own_slot, (0, 0, index))
+    written = jnp.arange(length) <= index
+    if beams == 1:
+      self_mask = written[None, None, None, None, :]
+    else:
+      slots = jnp.arange(beams)[None, None, :, None]
+      visible = (ancestry[:, :, None, :] == slots) & written  # [batch, beam, slot, t]
+      self_mask = visible[:, None]
+
     positions = jnp.full((tokens.shape[0], 1), index, dtype=jnp.int32)
     y = self.input_embedding(tokens[:, None], positions)
     if cfg.scan_layers:
-      y, layers = self.layers.step(y, cache["layers"], memory, cross_mask, index)
+      y, layers = self.layers.step(y, cache["layers"], memory, cross_mask, self_mask, index)
     else:
       layers = []
       for layer, layer_cache, layer_memory in zip(self.layers, cache["layers"], memory):
-        y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, index)
+        y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, self_mask,
+                                    index)
         layers.append(layer_cache)
-    return self.logits(y[:, 0]), {"index": index + 1, "layers": layers}
+    return self.logits(y[:, 0]), {"index": index + 1, "ancestry": ancestry, "layers": layers}
 
 
 class Transformer(nn.Module):
@@ -627,7 +718,7 @@ class Transformer(nn.Module):
   Training / scoring:    logits = model.apply(params, inputs, decoder_inputs)
   Decoding:              encoded = apply(..., method=Transformer.encode)
                          memory  = apply(..., method=Transformer.encoder_memory)
-                         cache   = init_cache(config, batch * beams, max_decode_len)
+                         cache   = init_cache(config, batch, max_decode_len, beams)
                          logits, cache = apply(..., token_ids, cache, memory,
                                                method=Transformer.decode_step)
   """
@@ -692,14 +783,15 @@ class Transformer(nn.Module):
     every layer's cross-attention keys/values and the source padding mask."""
     segment_ids, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
     return {"key_value": self.decoder.memory(encoded),
-            "mask": (segment_ids > 0)[:, None, None, :]}
+            "mask": (segment_ids > 0)[:, None, None, None, :]}
 
   def decode_step(self, token_ids: Array, cache: dict, memory: dict) -> tuple[Array, dict]:
     """One step of incremental decoding.
 
     Args:
-      token_ids: `[batch * beams]`, the previous token of every row (BOS first).
-      cache: from `init_cache(config, batch * beams, max_decode_len)`.
+      token_ids: `[batch * beams]`, the previous token of every row (BOS first);
+        row b * beams + j is beam j of input b.
+      cache: from `init_cache(config, batch, max_decode_len, beams)`.
       memory: from `encoder_memory` for the `batch` inputs.
     Returns:
       logits `[batch * beams, vocab]` (float32) for the next token, and the cache.
@@ -707,22 +799,42 @@ class Transformer(nn.Module):
     return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"])
 
 
-def init_cache(config: TransformerConfig, batch_size: int, max_decode_len: int) -> dict:
-  """An empty self-attention cache for `batch_size` rows (batch * beams).
+def init_cache(config: TransformerConfig, batch_size: int, max_decode_len: int,
+               beams: int = 1) -> dict:
+  """An empty self-attention cache for `batch_size` inputs with `beams` rows each.
 
-  Every array has the batch on axis 0 (beam search reorders along it); the
-  position `index` is a scalar. With `scan_layers` the per-layer arrays are
-  stacked on axis 1: `[batch, layers, max_decode_len, heads, d_k]`.
+  Keys are `[batch, heads, beams, d_k, max_decode_len]` and values `[batch,
+  heads, beams * max_decode_len, d_k]` (beam-major) per layer (with `scan_layers`, stacked on
+  a leading layer axis): the layouts `MultiHeadAttention.attend_step` reads
+  without transposing or copying anything; `ancestry` `[batch, beams,
+  max_decode_len]` int32 says which beam slot holds each position of each
+  beam's history (see `Decoder.step`); `index` is the position decoded next.
   """
-  shape = (batch_size, max_decode_len, config.num_heads, config.head_dim)
+  heads = (batch_size, config.num_heads)
+  shapes = {"key": heads + (beams, config.head_dim, max_decode_len),
+            "value": heads + (beams * max_decode_len, config.head_dim)}
   zeros = lambda shape: jnp.zeros(shape, config.compute_dtype)
   if config.scan_layers:
-    stacked = (batch_size, config.num_decoder_layers) + shape[1:]
-    layers = {"key": zeros(stacked), "value": zeros(stacked)}
+    layers = {name: zeros((config.num_decoder_layers,) + shape)
+              for name, shape in shapes.items()}
   else:
-    layers = [{"key": zeros(shape), "value": zeros(shape)}
+    layers = [{name: zeros(shape) for name, shape in shapes.items()}
               for _ in range(config.num_decoder_layers)]
-  return {"index": jnp.array(0, dtype=jnp.int32), "layers": layers}
+  return {"index": jnp.array(0, dtype=jnp.int32),
+          "ancestry": jnp.zeros((batch_size, beams, max_decode_len), jnp.int32),
+          "layers": layers}
+
+
+def reorder_cache(cache: dict, parents: Array) -> dict:
+  """Beam search's cache update for `init_cache`'s layout (see
+  `decoding.beam_search(reorder_cache=...)`).
+
+  parents `[batch, beams]`: the beam each surviving hypothesis extends. Only
+  the ancestry table follows the hypotheses (`[batch, beams, max_decode_len]`
+  int32, a few KB); the keys/values, megabytes, stay where they were written.
+  """
+  ancestry = jnp.take_along_axis(cache["ancestry"], parents[:, :, None], axis=1)
+  return dict(cache, ancestry=ancestry)
 
 
 # ----------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from transformer import decoding
-from transformer.model import Transformer, TransformerConfig, init_cache
+from transformer.model import Transformer, TransformerConfig, init_cache, reorder_cache
 from transformer.tokenizer import Tokenizer
 
 METHODS = ("greedy", "beam", "sample")
@@ -96,11 +96,13 @@ class Translator:
 
       common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id,
                     eos_id=cfg.eos_id, min_len=min_len)
-      cache = init_cache(cfg, batch, max_len)
       if method == "beam":
-        return decoding.beam_search(tokens_to_logits, cache, beam_size=beam_size,
-                                    length_penalty=length_penalty,
-                                    early_exit=early_exit, **common)
+        return decoding.beam_search(tokens_to_logits,
+                                    init_cache(cfg, batch, max_len, beam_size),
+                                    beam_size=beam_size, length_penalty=length_penalty,
+                                    early_exit=early_exit, reorder_cache=reorder_cache,
+                                    **common)
+      cache = init_cache(cfg, batch, max_len)
       if method == "greedy":
         seqs, scores = decoding.greedy_search(tokens_to_logits, cache, **common)
       else:
