@@ -653,3 +653,22 @@ def test_rows_do_not_depend_on_each_other(name):
   np.testing.assert_array_equal(a[0][0], b[0][0])
   np.testing.assert_allclose(a[1][0], b[1][0], rtol=1e-6)
   assert not np.array_equal(a[0][1:], b[0][1:])
+
+
+@pytest.mark.parametrize("n, k, ties", [(9000, 8, False), (9000, 8, True), (40000, 8, True),
+                                        (131072, 16, False)])
+def test_top_k_large_equals_lax_top_k(n, k, ties):
+  """The two-pass top-k of beam search: same values and indices as lax.top_k,
+  ties (lower index first) and -inf entries included."""
+  rng = np.random.default_rng(n + k)
+  x = rng.integers(0, 6, (4, n)).astype(np.float32) if ties else rng.normal(size=(4, n))
+  x = np.where(rng.random((4, n)) < 0.3, -np.inf, x).astype(np.float32)
+  x[3, :] = -np.inf  # a row with nothing finite (an input whose beams are all empty)
+  x[3, n - 5] = 1.0
+  values, indices = jax.jit(decoding.top_k_large, static_argnums=1)(jnp.asarray(x), k)
+  want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
+  np.testing.assert_array_equal(values, want_values)
+  np.testing.assert_array_equal(indices, want_indices)
+  # And against numpy: a stable sort, descending by value.
+  order = np.argsort(-x, axis=1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(indices, order)

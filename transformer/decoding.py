@@ -104,6 +104,40 @@ def _map_batched(fn, cache: PyTree) -> PyTree:
   return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else fn(x), cache)
 
 
+# Block size of `top_k_large`'s first pass.
+TOP_K_BLOCK = 128
+
+
+def top_k_large(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`lax.top_k(x, k)` for rows much longer than k, e.g. beam search's
+  beams x vocabulary candidates: the same values and indices (ties: the lower
+  index first), in two cheap passes instead of one expensive one.
+
+  On CPU `lax.top_k` costs about as much per element as a sort (1.5 ms for
+  16 x 32768, as much as the decoder's largest matmul). Instead: split each
+  row into blocks of TOP_K_BLOCK, take the maximum of every block, keep the k
+  blocks with the largest maxima (they hold the k largest entries: a block
+  outside them has k blocks above it, hence k larger entries), and run
+  `lax.top_k` on those k blocks only, in index order so ties resolve as in
+  `lax.top_k`.
+
+  x: [batch, n] float; k: static. Returns ([batch, k] values, [batch, k] int32).
+  """
+  batch, n = x.shape
+  block = TOP_K_BLOCK
+  if n < 8 * k * block:  # Too small to gain anything.
+    return lax.top_k(x, k)
+  num_blocks = -(-n // block)
+  padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - n)), constant_values=NEG_INF)
+  blocks = padded.reshape(batch, num_blocks, block)
+  _, best_blocks = lax.top_k(jnp.max(blocks, axis=-1), k)
+  best_blocks = jnp.sort(best_blocks, axis=-1)  # index order: ties as lax.top_k
+  candidates = jnp.take_along_axis(blocks, best_blocks[:, :, None], axis=1)
+  values, flat = lax.top_k(candidates.reshape(batch, k * block), k)
+  indices = jnp.take_along_axis(best_blocks, flat // block, axis=1) * block + flat % block
+  return values, indices.astype(jnp.int32)
+
+
 def _forbid_eos(logits: jax.Array, eos_id, forbid) -> jax.Array:
   """Sets the EOS logit of every row to -inf where `forbid` (a scalar bool)."""
   eos_logit = jnp.where(forbid, NEG_INF, logits[:, eos_id])
@@ -425,7 +459,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     # The 2 * beams best extensions of the alive hypotheses, per input.
     # Empty alive slots have log-prob -inf, so their extensions stay -inf.
     candidate_log_probs = state.alive_log_probs[:, :, None] + log_probs
-    topk_log_probs, topk_flat = lax.top_k(
+    topk_log_probs, topk_flat = top_k_large(
         candidate_log_probs.reshape(batch, beams * vocab), 2 * beams)
     topk_parents = topk_flat // vocab  # [batch, 2 * beams] beam index
     topk_tokens = (topk_flat % vocab).astype(jnp.int32)
