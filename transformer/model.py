@@ -485,7 +485,7 @@ class DecoderLayer(nn.Module):
     """Encoder-decoder attention keys/values, computed once per input for decoding.
 
     `[batch, src_length, d_model]` -> keys `[batch, heads, 1, d_k, src_length]`,
-    values `[batch, heads, 1, src_length, d_k]` (see `MultiHeadAttention.attend_step`).
+    values `[batch, heads, src_length, d_k]` (see `MultiHeadAttention.attend_step`).
     """
     return self.cross_attention.project_key_value_for_step(encoded)
 
@@ -508,7 +508,7 @@ class DecoderLayer(nn.Module):
     """
     def self_attention(h):
       new_key, new_value = self.self_attention.project_key_value(h)
-      cache["key"] = _write_position(cache["key"], new_key, index, axis=4)
+      cache["key"] = _write_key_position(cache["key"], new_key, index)
       cache["value"] = _write_value_position(cache["value"], new_value, index)
       return self.self_attention.attend_step(h, cache["key"], cache["value"], self_mask)
 
@@ -521,15 +521,12 @@ class DecoderLayer(nn.Module):
     return self.feed_forward_norm(y, self.feed_forward), cache
 
 
-def _write_position(cache: Array, new: Array, index: Array, axis: int) -> Array:
-  """Writes `new` `[batch * beams, 1, heads, d_k]` at position `index` (on
-  `axis`) of `cache` `[batch, heads, beams, ...]`, beam j into slot j."""
-  batch, heads, beams = cache.shape[:3]
-  new = new.reshape(batch, beams, heads, -1).transpose(0, 2, 1, 3)
-  new = jnp.expand_dims(new, axis)
-  start = [0] * cache.ndim
-  start[axis] = index
-  return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), start)
+def _write_key_position(cache: Array, new: Array, index: Array) -> Array:
+  """Writes `new` `[batch * beams, 1, heads, d_k]` at position `index` of
+  `cache` `[batch, heads, beams, d_k, max_decode_len]`, beam j into slot j."""
+  batch, heads, beams, d_k, _ = cache.shape
+  new = new.reshape(batch, beams, heads, d_k).transpose(0, 2, 1, 3)[..., None]
+  return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, 0, 0, index))
 
 
 def _write_value_position(cache: Array, new: Array, index: Array) -> Array:
