@@ -1,0 +1,133 @@
+"""Where the time goes: per-op times of one compiled training step or decode batch.
+
+    python benchmarks/profile_ops.py train --shape=S
+    python benchmarks/profile_ops.py decode --shape=S --method=beam --top=30
+
+Runs the computation once under `jax.profiler.trace` (a Perfetto trace, read
+back here) and prints the op time of each XLA op, labelled with its shape and
+the model code it comes from (the `op_name` of the compiled HLO), then totals
+per kind of op. Op times can add up to more than the wall time: ops run on both
+cores at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks import common
+
+
+def train_computation(shape: str):
+  """-> (compiled, run()) for one training step of `shape` (dropout 0.1)."""
+  from benchmarks import bench_train
+  from transformer import training
+  config, batch, src_len, tgt_len = common.SHAPES[shape](dropout_rate=0.1)
+  optimizer, schedule = training.make_optimizer(bench_train.optimizer_config(), config.d_model)
+  holder = {"state": training.create_train_state(config, optimizer, seed=0)}
+  data = bench_train.make_batch(config, batch, src_len, tgt_len)
+  step = jax.jit(lambda s, b: training.train_step(
+      s, b, model_config=config, optimizer=optimizer, schedule=schedule,
+      label_smoothing=0.1), donate_argnums=0)
+  compiled = step.lower(holder["state"], data).compile()
+
+  def run():
+    holder["state"], metrics = compiled(holder["state"], data)
+    return metrics
+  return compiled, run
+
+
+def decode_computation(shape: str, method: str):
+  """-> (compiled, run()) for bench_decode.py's batch of `shape`."""
+  from benchmarks import bench_decode
+  from transformer import model as model_lib
+  from transformer.translation import Translator
+  config, *_ = common.SHAPES[shape]()
+  config = config.replace(max_len=128)
+  translator = Translator(config, model_lib.init_params(config, jax.random.key(0)), None)
+  n, src_len, gen_len = bench_decode.NUM_SENTENCES, bench_decode.SRC_LEN, bench_decode.GEN_LEN
+  fn = translator._decode_fn(method, n, src_len, gen_len, 4 if method == "beam" else 1, 0)
+  inputs = np.asarray(jax.random.randint(jax.random.key(1), (n, src_len), 3, config.vocab_size))
+  args = (translator.params, inputs, jax.random.key(2), 0.6, 1.0, 1.0, gen_len)
+  compiled = fn.lower(*args).compile()
+  return compiled, lambda: compiled(*args)
+
+
+def op_labels(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """HLO instruction name -> (result shape, source op_name)."""
+  labels = {}
+  for line in hlo_text.splitlines():
+    match = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ", line)
+    if match:
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      labels[match.group(1)] = (match.group(2), op_name.group(1) if op_name else "")
+  return labels
+
+
+def kind_of(name: str, op_name: str) -> str:
+  """A coarse label for totals: matmuls, copies/transposes, or the jax op's name."""
+  if "dot_general" in op_name or name.startswith(("dot", "convolution")):
+    return "matmul"
+  if name.startswith(("copy", "transpose")) or "transpose" in name:
+    return "copy/transpose"
+  return op_name.split("/")[-1] or name.split(".")[0]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("what", choices=("train", "decode"))
+  parser.add_argument("--shape", default="S", choices=sorted(common.SHAPES))
+  parser.add_argument("--method", default="beam", choices=("greedy", "beam"))
+  parser.add_argument("--top", type=int, default=25)
+  args = parser.parse_args()
+  if args.what == "train":
+    compiled, run = train_computation(args.shape)
+  else:
+    compiled, run = decode_computation(args.shape, args.method)
+  labels = op_labels(compiled.as_text())
+  for _ in range(2):
+    jax.block_until_ready(run())
+  with tempfile.TemporaryDirectory() as logdir:
+    with jax.profiler.trace(logdir, create_perfetto_trace=True):
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      wall = time.perf_counter() - start
+    path = glob.glob(os.path.join(logdir, "**", "*perfetto_trace.json.gz"), recursive=True)[0]
+    with gzip.open(path) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  op_time, calls = collections.Counter(), collections.Counter()
+  for event in events:
+    if event.get("ph") == "X" and event["name"] in labels:
+      op_time[event["name"]] += event.get("dur", 0) / 1e3
+      calls[event["name"]] += 1
+  total = sum(op_time.values())
+  print(f"{args.what} {args.shape}{' ' + args.method if args.what == 'decode' else ''}: "
+        f"wall {wall * 1e3:.0f} ms (profiled), op time {total:.0f} ms; {common.machine_load()}")
+  print(f"\n{'ms':>8} {'%':>5} {'calls':>5}  op, shape, source")
+  for name, ms in op_time.most_common(args.top):
+    shape, op_name = labels[name]
+    print(f"{ms:8.1f} {ms / total:5.1%} {calls[name]:5d}  {name} {shape[:40]} {op_name[-90:]}")
+  kinds = collections.Counter()
+  for name, ms in op_time.items():
+    kinds[kind_of(name, labels[name][1])] += ms
+  print("\nby kind:")
+  for kind, ms in kinds.most_common(12):
+    print(f"{ms:8.1f} {ms / total:5.1%}  {kind}")
+
+
+if __name__ == "__main__":
+  main()
