@@ -524,3 +524,18 @@ def test_invalid_config_raises_named_error(field, value, needle):
 def test_config_round_trips_through_dict():
   cfg = tiny_config(normalization="pre", dtype="bfloat16")
   assert M.TransformerConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_bfloat16_incremental_decoding_stays_close_to_float32():
+  """The decode step's bfloat16 path (bfloat16 cache, float32 scores) against
+  the float32 teacher-forced logits, with beams sharing the memory."""
+  cfg = tiny_config(num_decoder_layers=2)
+  params = M.init_params(cfg, jax.random.key(8))
+  src, tgt = random_batch(cfg, np.random.default_rng(13))
+  dec_in = M.shift_right(tgt, cfg.bos_id)
+  f32 = jnp.repeat(forward(cfg, params, src, dec_in), 2, axis=0)
+  bf16 = incremental_logits(cfg.replace(dtype="bfloat16"), params, src, dec_in, beams=2)
+  assert bf16.dtype == jnp.float32
+  p32, p16 = jax.nn.softmax(f32), jax.nn.softmax(bf16)
+  assert float(jnp.abs(p32 - p16).max()) < 0.05
+  assert (jnp.argmax(f32, -1) == jnp.argmax(bf16, -1)).mean() > 0.9
