@@ -22,8 +22,9 @@ translation (the best hypothesis), one heat-map panel per decoder layer with
 that layer's heads averaged, source pieces on the x axis and target pieces on
 the y axis (see transformer/plotting.py; the notebook also shows single heads).
 
-Progress and a one-line summary (sentences, generated tokens, tokens/s,
-seconds, truncated over-long inputs) go to stderr. Exit status: 0 on success,
+Progress and a one-line summary (sentences, generated tokens, seconds of which
+compiling, tokens/s of the decoding itself,
+truncated over-long inputs) go to stderr. Exit status: 0 on success,
 2 for a bad flag value or unreadable input, 1 when the workdir cannot be used
 (missing files or checkpoint) or decoding fails; the error is one line on
 stderr that names the flag, file or line at fault and what to do.
@@ -388,7 +389,8 @@ def plot_attention(translator, sources: list[str], translations: list[str],
 def _summary(stats: dict, described: str, method: str, plots: int | None) -> str:
   line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
           f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
-          f"({stats['tokens_per_second']:.1f} tokens/s), {method}, {described}")
+          f"(compiling {stats['compile_seconds']:.1f} s; "
+          f"{stats['tokens_per_second']:.1f} tokens/s decoding), {method}, {described}")
   if plots is not None:
     line += f", {plots} attention plots"
   return line

@@ -160,6 +160,10 @@ def test_summary_line_on_stderr(runs):
   assert len(summary) == 1, err
   assert f"decoded {len(LINES)} sentences ({len(NON_EMPTY)} non-empty)" in summary[0]
   assert "tokens/s" in summary[0] and f"step {TRAIN_STEPS}" in summary[0]
+  # Compilation is timed apart from decoding (this run compiles at least once).
+  compiling = float(summary[0].split("(compiling ")[1].split(" s;")[0])
+  total = float(summary[0].split(" tokens generated in ")[1].split(" s ")[0])
+  assert 0 < compiling <= total
   assert "warning" not in err  # nothing truncated
   # --quiet: no progress bar, no summary, only the warning about the long line.
   quiet = _ok(runs["greedy"]).stderr_text.strip().splitlines()
