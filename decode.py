@@ -22,9 +22,9 @@ translation (the best hypothesis), one heat-map panel per decoder layer with
 that layer's heads averaged, source pieces on the x axis and target pieces on
 the y axis (see transformer/plotting.py; the notebook also shows single heads).
 
-Progress and a one-line summary (sentences, generated tokens, seconds of which
-compiling, tokens/s of the decoding itself,
-truncated over-long inputs) go to stderr. Exit status: 0 on success,
+Progress and a one-line summary (sentences, generated tokens, seconds and how
+many of them compiling, tokens/s of the decoding itself, truncated over-long
+inputs) go to stderr. Exit status: 0 on success,
 2 for a bad flag value or unreadable input, 1 when the workdir cannot be used
 (missing files or checkpoint) or decoding fails; the error is one line on
 stderr that names the flag, file or line at fault and what to do.

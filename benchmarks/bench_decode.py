@@ -32,7 +32,9 @@ from transformer.translation import Translator
 NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
 
 
-def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
+def compile_decoder(shape: str, method: str, beam_size: int):
+  """The benchmark's decoder for `shape`, compiled: -> (compiled, args, seconds
+  to compile). `compiled(*args)` decodes the fixed batch."""
   config, *_ = common.SHAPES[shape]()
   config = config.replace(max_len=128)
   params = model_lib.init_params(config, jax.random.key(0))
@@ -43,7 +45,11 @@ def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
   args = (translator.params, inputs, jax.random.key(2), 0.6, 1.0, 1.0, GEN_LEN)
   start = time.perf_counter()
   compiled = fn.lower(*args).compile()
-  compile_s = time.perf_counter() - start
+  return compiled, args, time.perf_counter() - start
+
+
+def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
+  compiled, args, compile_s = compile_decoder(shape, method, beam_size)
   seqs, _ = compiled(*args)
   assert int(np.sum(np.asarray(seqs)[:, 0] != 0)) == NUM_SENTENCES * GEN_LEN, "EOS ended early"
   seconds, _ = common.time_fn(lambda: compiled(*args), repeats=repeats, warmup=1)

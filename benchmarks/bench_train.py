@@ -44,7 +44,10 @@ def make_batch(config, batch, src_len, tgt_len):
   return {k: v[None] for k, v in b.items()}  # [accumulation=1, rows, length]
 
 
-def bench_shape(name, dropout, repeats, peak):
+def compile_train_step(name, dropout):
+  """train.py's step for shape `name`, compiled: -> (compiled, initial state,
+  batch, seconds to compile). `compiled(state, batch)` -> (state, metrics);
+  the state is donated."""
   config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
   optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
   state = training.create_train_state(config, optimizer, seed=0)
@@ -54,7 +57,12 @@ def bench_shape(name, dropout, repeats, peak):
   data = make_batch(config, batch, src_len, tgt_len)
   start = time.perf_counter()
   compiled = step.lower(state, data).compile()
-  compile_s = time.perf_counter() - start
+  return compiled, state, data, time.perf_counter() - start
+
+
+def bench_shape(name, dropout, repeats, peak):
+  config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
+  compiled, state, data, compile_s = compile_train_step(name, dropout)
   holder = {"state": state}
 
   def run():

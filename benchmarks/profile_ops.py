@@ -26,7 +26,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
-import numpy as np
 
 from benchmarks import common
 
@@ -34,15 +33,8 @@ from benchmarks import common
 def train_computation(shape: str):
   """-> (compiled, run()) for one training step of `shape` (dropout 0.1)."""
   from benchmarks import bench_train
-  from transformer import training
-  config, batch, src_len, tgt_len = common.SHAPES[shape](dropout_rate=0.1)
-  optimizer, schedule = training.make_optimizer(bench_train.optimizer_config(), config.d_model)
-  holder = {"state": training.create_train_state(config, optimizer, seed=0)}
-  data = bench_train.make_batch(config, batch, src_len, tgt_len)
-  step = jax.jit(lambda s, b: training.train_step(
-      s, b, model_config=config, optimizer=optimizer, schedule=schedule,
-      label_smoothing=0.1), donate_argnums=0)
-  compiled = step.lower(holder["state"], data).compile()
+  compiled, state, data, _ = bench_train.compile_train_step(shape, 0.1)
+  holder = {"state": state}
 
   def run():
     holder["state"], metrics = compiled(holder["state"], data)
@@ -53,16 +45,7 @@ def train_computation(shape: str):
 def decode_computation(shape: str, method: str):
   """-> (compiled, run()) for bench_decode.py's batch of `shape`."""
   from benchmarks import bench_decode
-  from transformer import model as model_lib
-  from transformer.translation import Translator
-  config, *_ = common.SHAPES[shape]()
-  config = config.replace(max_len=128)
-  translator = Translator(config, model_lib.init_params(config, jax.random.key(0)), None)
-  n, src_len, gen_len = bench_decode.NUM_SENTENCES, bench_decode.SRC_LEN, bench_decode.GEN_LEN
-  fn = translator._decode_fn(method, n, src_len, gen_len, 4 if method == "beam" else 1, 0)
-  inputs = np.asarray(jax.random.randint(jax.random.key(1), (n, src_len), 3, config.vocab_size))
-  args = (translator.params, inputs, jax.random.key(2), 0.6, 1.0, 1.0, gen_len)
-  compiled = fn.lower(*args).compile()
+  compiled, args, _ = bench_decode.compile_decoder(shape, method, 4 if method == "beam" else 1)
   return compiled, lambda: compiled(*args)
 
 

@@ -689,14 +689,14 @@ class Decoder(nn.Module):
     cfg = self.config
     index, ancestry = cache["index"], cache["ancestry"]
     batch, beams, length = ancestry.shape
-    # This step's position is written by each beam into its own slot.
-    own_slot = jnp.broadcast_to(jnp.arange(beams, dtype=ancestry.dtype)[None, :, None],
-                                (batch, beams, 1))
-    ancestry = jax.lax.dynamic_update_slice(ancestry, own_slot, (0, 0, index))
     written = jnp.arange(length) <= index
-    if beams == 1:
+    if beams == 1:  # greedy search, sampling: a row's history is its own slot
       self_mask = written[None, None, None, None, :]
     else:
+      # This step's position is written by each beam into its own slot.
+      own_slot = jnp.broadcast_to(jnp.arange(beams, dtype=ancestry.dtype)[None, :, None],
+                                  (batch, beams, 1))
+      ancestry = jax.lax.dynamic_update_slice(ancestry, own_slot, (0, 0, index))
       slots = jnp.arange(beams)[None, None, :, None]
       visible = (ancestry[:, :, None, :] == slots) & written  # [batch, beam, slot, t]
       self_mask = visible[:, None]

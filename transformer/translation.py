@@ -71,7 +71,7 @@ class Translator:
       params = parallel.to_host(params)
     self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
     self.last_stats: dict[str, float] = {}
-    self._compiled = {}  # jitted functions
+    self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
 
   # -- the jitted decoder ----------------------------------------------------
@@ -80,10 +80,8 @@ class Translator:
                  beam_size: int, top_k: int, early_exit: bool = True):
     """The jitted decoder of one batch shape:
     (params, inputs [batch, src_len], rng, length_penalty, temperature, top_p,
-    min_len) -> (sequences [batch, n, max_len], scores [batch, n])."""
-    key = (method, batch, src_len, max_len, beam_size, top_k, early_exit)
-    if key in self._compiled:
-      return self._compiled[key]
+    min_len) -> (sequences [batch, n, max_len], scores [batch, n]).
+    `translate` compiles it once per shape (`self._executables`)."""
     cfg, model = self.config, self.model
 
     def run(params, inputs, rng, length_penalty, temperature, top_p, min_len):
@@ -114,11 +112,9 @@ class Translator:
 
     data = NamedSharding(self.mesh, P("data"))
     replicated = NamedSharding(self.mesh, P())
-    fn = jax.jit(run, in_shardings=(replicated, data, replicated, replicated, replicated,
-                                    replicated, replicated),
-                 out_shardings=(data, data))
-    self._compiled[key] = fn
-    return fn
+    return jax.jit(run, in_shardings=(replicated, data, replicated, replicated, replicated,
+                                      replicated, replicated),
+                   out_shardings=(data, data))
 
   # -- the public API --------------------------------------------------------
 
