@@ -2,6 +2,7 @@
 
     python benchmarks/profile_ops.py train --shape=S
     python benchmarks/profile_ops.py decode --shape=S --method=beam --top=30
+    python benchmarks/profile_ops.py train --shape=S --exclude=matmul   # the rest
 
 Runs the computation once under `jax.profiler.trace` (a Perfetto trace, read
 back here) and prints the op time of each XLA op, labelled with its shape and
@@ -75,6 +76,8 @@ def main():
   parser.add_argument("--shape", default="S", choices=sorted(common.SHAPES))
   parser.add_argument("--method", default="beam", choices=("greedy", "beam"))
   parser.add_argument("--top", type=int, default=25)
+  parser.add_argument("--exclude", default="",
+                      help="comma-separated kinds left out of the per-op list, e.g. matmul")
   args = parser.parse_args()
   if args.what == "train":
     compiled, run = train_computation(args.shape)
@@ -101,7 +104,10 @@ def main():
   print(f"{args.what} {args.shape}{' ' + args.method if args.what == 'decode' else ''}: "
         f"wall {wall * 1e3:.0f} ms (profiled), op time {total:.0f} ms; {common.machine_load()}")
   print(f"\n{'ms':>8} {'%':>5} {'calls':>5}  op, shape, source")
-  for name, ms in op_time.most_common(args.top):
+  excluded = set(filter(None, args.exclude.split(",")))
+  listed = [(name, ms) for name, ms in op_time.most_common()
+            if kind_of(name, labels[name][1]) not in excluded]
+  for name, ms in listed[:args.top]:
     shape, op_name = labels[name]
     print(f"{ms:8.1f} {ms / total:5.1%} {calls[name]:5d}  {name} {shape[:40]} {op_name[-90:]}")
   kinds = collections.Counter()

@@ -539,3 +539,34 @@ def test_bfloat16_incremental_decoding_stays_close_to_float32():
   p32, p16 = jax.nn.softmax(f32), jax.nn.softmax(bf16)
   assert float(jnp.abs(p32 - p16).max()) < 0.05
   assert (jnp.argmax(f32, -1) == jnp.argmax(bf16, -1)).mean() > 0.9
+
+
+@pytest.mark.parametrize("length", [7, 8])
+def test_cache_attention_reads_a_prefix_yet_equals_attention_over_written_positions(length):
+  """The decoder step reads only the shortest of four static cache prefixes
+  that holds the written positions: for every number written (1..length, with
+  a length that 4 does not divide too), each beam's attention over the slots
+  its mask allows equals float64 numpy attention over exactly those positions,
+  whatever garbage the unwritten positions hold."""
+  rng = np.random.default_rng(3)
+  batch, heads, beams, d = 2, 2, 3, 4
+  query = rng.normal(size=(batch, heads, beams, d))
+  key = rng.normal(size=(batch, heads, beams, d, length))
+  value = rng.normal(size=(batch, heads, beams * length, d))
+  slot_of = rng.integers(0, beams, size=(batch, beams, length))  # an ancestry table
+  attend = jax.jit(M._attend_cache_prefix)
+  for written in range(1, length + 1):
+    visible = (slot_of[:, :, None, :] == np.arange(beams)[None, None, :, None]) & (
+        np.arange(length) < written)  # [batch, beam, slot, t]
+    scaled = query / np.sqrt(d)  # the step scales queries by 1/sqrt(d_k) before
+    got = np.asarray(attend(*(jnp.asarray(x, jnp.float32) for x in (scaled, key, value)),
+                            jnp.asarray(visible[:, None]), jnp.int32(written)))
+    for b in range(batch):
+      for h in range(heads):
+        for q in range(beams):
+          slots, ts = np.nonzero(visible[b, q])
+          keys = key[b, h, slots, :, ts]                  # [visible, d]
+          values = value[b, h, slots * length + ts]       # [visible, d]
+          want = np_attention(query[b, h, q][None], keys, values)[0]
+          np.testing.assert_allclose(got[b, h, q], want, atol=1e-5,
+                                     err_msg=f"written={written} b={b} h={h} beam={q}")
