@@ -6,8 +6,10 @@
 One full training step as train.py runs it (Adam, the paper's schedule, label
 smoothing 0.1, dropout 0.1, packed-batch masks), on a fixed random batch with
 no padding. MFU = model FLOPs per step (benchmarks/common.py:
-training_flops_per_step) / step time / the float32 matmul peak measured in the
-same run. Prints a markdown table.
+training_flops_per_step) / step time / the float32 matmul peak (a 2048^3 matmul)
+measured in the same round. Also times the step's matmuls alone (the same
+dot_generals, nothing around them): the floor XLA's matmuls set on this
+machine. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -60,21 +63,40 @@ def compile_train_step(name, dropout):
   return compiled, state, data, time.perf_counter() - start
 
 
-def bench_shape(name, dropout, repeats, peak):
+def bench_shape(name, dropout, repeats):
+  """Times the step, its matmuls alone and the matmul peak in turn, `repeats`
+  rounds: each round's MFU divides by the peak measured in that round, so a
+  neighbour that slows the machine slows both (the figures are medians)."""
   config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
   compiled, state, data, compile_s = compile_train_step(name, dropout)
+  optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
+  matmuls, operands, matmul_flops = common.matmuls_alone(
+      lambda s, b: training.train_step(s, b, model_config=config, optimizer=optimizer,
+                                       schedule=schedule, label_smoothing=0.1), state, data)
+  flops = common.training_flops_per_step(config, batch, src_len, tgt_len)
+  assert abs(matmul_flops - flops) <= 0.01 * flops, (matmul_flops, flops)  # the FLOP model
   holder = {"state": state}
 
-  def run():
+  def step():
     holder["state"], metrics = compiled(holder["state"], data)
     return metrics
-  timing = common.time_fn_detailed(run, repeats=repeats, warmup=2)
-  flops = common.training_flops_per_step(config, batch, src_len, tgt_len)
-  step_s = timing["median_s"]
+  rounds = []
+  for i in range(repeats + 2):  # two warm-up rounds
+    step_s = common.time_fn(step, repeats=1, warmup=0)[0]
+    matmuls_s = common.time_fn(matmuls, operands, repeats=1, warmup=0)[0]
+    peak = common.matmul_rate()
+    if i >= 2:
+      rounds.append((step_s, matmuls_s, peak))
+  median = lambda values: statistics.median(values)
+  step_s = median([r[0] for r in rounds])
+  matmuls_s = median([r[1] for r in rounds])
   return {"shape": name, "dropout": dropout, "compile_s": compile_s, "step_s": step_s,
           "target_tokens_per_s": batch * tgt_len / step_s, "gflops_per_step": flops / 1e9,
-          "achieved_gflops": flops / step_s / 1e9, "mfu": flops / step_s / peak,
-          "step_cpu_s": timing["median_cpu_s"]}
+          "achieved_gflops": flops / step_s / 1e9,
+          "peak_gflops": median([r[2] for r in rounds]) / 1e9,
+          "mfu": median([flops / r[0] / r[2] for r in rounds]),
+          "matmuls_s": matmuls_s, "step_over_matmuls": median([r[0] / r[1] for r in rounds]),
+          "matmuls_mfu": median([flops / r[1] / r[2] for r in rounds])}
 
 
 def main():
@@ -84,19 +106,24 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", default="")
   args = parser.parse_args()
-  peak, n = common.measure_matmul_peak()
-  rows = [bench_shape(s, args.dropout, args.repeats, peak) for s in args.shapes.split(",")]
-  print(f"\nfloat32 matmul peak: {peak / 1e9:.1f} GFLOP/s (n={n}); {common.machine_load()}; "
-        f"jax {jax.__version__}, {jax.devices()[0].platform}")
-  print("\n| shape | dropout | step (s) | target tokens/s | GFLOP/step | GFLOP/s | MFU | compile (s) |")
-  print("|---|---|---|---|---|---|---|---|")
+  rows = [bench_shape(s, args.dropout, args.repeats) for s in args.shapes.split(",")]
+  print(f"\n{common.machine_load()}; jax {jax.__version__}, {jax.devices()[0].platform}; "
+        f"medians of {args.repeats} rounds")
+  print("\n| shape | dropout | step (s) | target tokens/s | GFLOP/step | GFLOP/s | peak GFLOP/s "
+        "| MFU | matmuls alone (s) | their MFU | step / matmuls | compile (s) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['shape']} | {r['dropout']} | {r['step_s']:.3f} | {r['target_tokens_per_s']:.0f} "
-          f"| {r['gflops_per_step']:.1f} | {r['achieved_gflops']:.1f} | {r['mfu']:.0%} "
-          f"| {r['compile_s']:.1f} |")
+    print(f"| {r['shape']} | {r['dropout']} | {r['step_s']:.3f} | {r['target_tokens_per_s']:,.0f} "
+          f"| {r['gflops_per_step']:.1f} | {r['achieved_gflops']:.1f} | {r['peak_gflops']:.0f} "
+          f"| {r['mfu']:.0%} | {r['matmuls_s']:.3f} | {r['matmuls_mfu']:.0%} "
+          f"| {r['step_over_matmuls']:.2f} | {r['compile_s']:.1f} |")
+  print("\nmatmuls alone: every matrix multiplication of the step (forward and backward, "
+        "the same shapes), nothing else (common.matmuls_alone); their MFU is the most "
+        "a step made of these matmuls could reach with XLA on this machine. peak: a 2048^3 float32 "
+        "matmul, re-measured in every round.")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"peak_flops": peak, "rows": rows}, f, indent=2)
+      json.dump({"rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

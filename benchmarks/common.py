@@ -13,6 +13,7 @@ Shapes (float32 everywhere):
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -20,6 +21,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jax_core
 
 from transformer.model import TransformerConfig
 
@@ -66,13 +69,16 @@ def random_batch(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
 
 
 def matmul_weights(config: TransformerConfig) -> dict[str, int]:
-  """Matmul weight counts (no biases, LayerNorm or embedding lookups):
-  per encoder layer, per decoder layer, and the output projection."""
+  """Matmul weight counts (no biases, LayerNorm or embedding lookups): per
+  encoder layer; per decoder layer, split into the weights that act on target
+  positions and the cross-attention W^K, W^V that act on the source (encoder
+  output); and the output projection."""
   d, f = config.d_model, config.d_ff
   attention = 4 * d * d            # W^Q, W^K, W^V, W^O
   ffn = 2 * d * f                  # W_1, W_2
   return {"encoder_layer": attention + ffn,
-          "decoder_layer": 2 * attention + ffn,   # self + cross attention
+          "decoder_layer_on_target": attention + 2 * d * d + ffn,  # self; cross W^Q, W^O
+          "decoder_layer_on_source": 2 * d * d,                  # cross W^K, W^V
           "output_projection": d * config.vocab_size}
 
 
@@ -82,12 +88,13 @@ def forward_flops(config: TransformerConfig, batch: int, src_len: int,
 
     2 * W_enc * N_enc * (batch * src_len)           encoder layer weights x source tokens
   + 2 * W_dec * N_dec * (batch * tgt_len)           decoder layer weights x target tokens
+  + 2 * W_mem * N_dec * (batch * src_len)           cross-attention W^K, W^V x source tokens
   + 2 * d_model * vocab * (batch * tgt_len)         output projection x target tokens
   + batch * 4 * d_model * (N_enc * src^2            attention scores QK^T and AV,
                            + N_dec * tgt^2          2 * 2 * len_q * len_k * d_model
                            + N_dec * tgt * src)     per layer and sequence
 
-  with W_enc = 4 d^2 + 2 d d_ff, W_dec = 8 d^2 + 2 d d_ff (matmul weights only,
+  with W_enc = 4 d^2 + 2 d d_ff, W_dec = 6 d^2 + 2 d d_ff, W_mem = 2 d^2 (matmul weights only,
   a multiply-add counted as 2 FLOPs). The decoder self-attention is counted as
   the full tgt x tgt square, with no discount for the causal mask (the kernels
   compute the whole square). Embedding lookups, biases, LayerNorm, softmax and
@@ -97,7 +104,8 @@ def forward_flops(config: TransformerConfig, batch: int, src_len: int,
   n_enc, n_dec = config.num_encoder_layers, config.num_decoder_layers
   src_tokens, tgt_tokens = batch * src_len, batch * tgt_len
   dense = 2 * (w["encoder_layer"] * n_enc * src_tokens
-               + w["decoder_layer"] * n_dec * tgt_tokens
+               + w["decoder_layer_on_target"] * n_dec * tgt_tokens
+               + w["decoder_layer_on_source"] * n_dec * src_tokens
                + w["output_projection"] * tgt_tokens)
   attention = batch * 4 * config.d_model * (
       n_enc * src_len * src_len + n_dec * tgt_len * tgt_len + n_dec * tgt_len * src_len)
@@ -110,6 +118,7 @@ def training_flops_per_step(config: TransformerConfig, batch: int, src_len: int,
 
     6 * (W_enc * N_enc * batch * src_len
          + W_dec * N_dec * batch * tgt_len
+         + W_mem * N_dec * batch * src_len
          + d_model * vocab * batch * tgt_len)
   + 3 * batch * 4 * d_model * (N_enc * src^2 + N_dec * tgt^2 + N_dec * tgt * src)
 
@@ -190,3 +199,68 @@ def machine_load() -> str:
   """`uptime`'s load averages (1, 5, 15 min) and the CPU count, as text."""
   one, five, fifteen = os.getloadavg()
   return f"load {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+# ----------------------------------------------------------------------------
+# Matmuls alone: the floor XLA's matrix multiplications set for a computation
+# ----------------------------------------------------------------------------
+
+
+def _dot_generals(jaxpr, found: list, repeat: int = 1) -> None:
+  """Appends (lhs aval, rhs aval, dimension_numbers) of every dot_general in
+  `jaxpr` and its sub-jaxprs (a scan body's dots once per iteration)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      lhs, rhs = (v.aval for v in eqn.invars)
+      found.extend([(lhs, rhs, eqn.params["dimension_numbers"])] * repeat)
+    times = repeat * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        if isinstance(sub, jax_core.ClosedJaxpr):
+          _dot_generals(sub.jaxpr, found, times)
+        elif isinstance(sub, jax_core.Jaxpr):
+          _dot_generals(sub, found, times)
+
+
+def dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
+  """2 x (output elements) x (contracted size) of one dot_general."""
+  (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+  free = [n for i, n in enumerate(rhs_shape) if i not in rhs_contract and i not in rhs_batch]
+  return 2 * math.prod(lhs_shape) * math.prod(free)
+
+
+def matmuls_alone(fn: Callable, *args):
+  """Every matrix multiplication `fn(*args)` performs (the dot_generals of its
+  jaxpr, forward and backward alike), and nothing else: each on operands of
+  its own shape, in one jitted function. Its time is the floor XLA's matmuls
+  on this machine set for `fn`, whatever `fn` does around them (no
+  elementwise work, no softmax, no copies between them).
+
+  -> (run, operands, flops): `run(operands)` does the matmuls; `flops` is
+  their total (2 x multiply-adds)."""
+  dots = []
+  _dot_generals(jax.make_jaxpr(fn)(*args).jaxpr, dots)
+  rng = np.random.default_rng(0)  # numpy: no compilation per operand shape
+  operands = [tuple(jnp.asarray(rng.standard_normal(x.shape), x.dtype) for x in (lhs, rhs))
+              for lhs, rhs, _ in dots]
+
+  @jax.jit
+  def run(operands):
+    return [jax.lax.dot_general(a, b, numbers)
+            for (a, b), (_, _, numbers) in zip(operands, dots)]
+  flops = sum(dot_flops(lhs.shape, rhs.shape, numbers) for lhs, rhs, numbers in dots)
+  return run, operands, flops
+
+
+def matmul_rate(n: int = 2048, repeats: int = 2, dtype=jnp.float32) -> float:
+  """FLOP/s of an n x n x n float32 matmul right now (best of `repeats`): the
+  peak, re-measured next to each timing so both see the same neighbours."""
+  a = jnp.ones((n, n), dtype)
+  dot = jax.jit(jnp.dot)
+  jax.block_until_ready(dot(a, a))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(dot(a, a))
+    best = min(best, time.perf_counter() - start)
+  return 2 * n ** 3 / best
