@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -49,22 +50,34 @@ def compile_decoder(shape: str, method: str, beam_size: int):
 
 
 def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
+  """Times the batch and its matmuls alone (`matmul_floor`) in turn, `repeats`
+  rounds after one warm-up: both see the same neighbours, so their ratio is
+  steadier than either time on a shared machine (the figures are medians)."""
   compiled, args, compile_s = compile_decoder(shape, method, beam_size)
   seqs, _ = compiled(*args)
   assert int(np.sum(np.asarray(seqs)[:, 0] != 0)) == NUM_SENTENCES * GEN_LEN, "EOS ended early"
-  seconds, _ = common.time_fn(lambda: compiled(*args), repeats=repeats, warmup=1)
+  floor, floor_args = matmul_floor(shape, NUM_SENTENCES * beam_size)
+  rounds = []
+  for i in range(repeats + 1):
+    batch_s = common.time_fn(lambda: compiled(*args), repeats=1, warmup=0)[0]
+    floor_s = common.time_fn(floor, *floor_args, repeats=1, warmup=0)[0]
+    if i:
+      rounds.append((batch_s, floor_s))
+  seconds = statistics.median(r[0] for r in rounds)
   return {"shape": shape, "method": f"beam {beam_size}" if method == "beam" else method,
           "seconds": seconds, "sentences_per_s": NUM_SENTENCES / seconds,
-          "tokens_per_s": NUM_SENTENCES * GEN_LEN / seconds, "compile_s": compile_s}
+          "tokens_per_s": NUM_SENTENCES * GEN_LEN / seconds, "compile_s": compile_s,
+          "floor_s": statistics.median(r[1] for r in rounds),
+          "over_floor": statistics.median(r[0] / r[1] for r in rounds)}
 
 
-def matmul_floor(shape: str, rows: int, repeats: int) -> float:
-  """Seconds that the decoder's weight matrices alone take for the same work:
+def matmul_floor(shape: str, rows: int):
+  """The decoder's weight matrices alone for the same work, compiled: -> (run, args).
   `rows` (sentences x beams) times every per-step weight matrix (self-attention
   Q, K, V, O; cross-attention Q, O; feed-forward W_1, W_2; the vocabulary
   projection) for GEN_LEN steps, chained in a `lax.scan` as in decoding. No
   attention, softmax, LayerNorm or search: a lower bound for this machine and
-  XLA's matmuls, whatever the decoder does around them."""
+  XLA's matmuls, whatever the decoder does around them (time `run(*args)`)."""
   config, *_ = common.SHAPES[shape]()
   d, f, layers = config.d_model, config.d_ff, config.num_decoder_layers
   keys = iter(jax.random.split(jax.random.key(0), 4))
@@ -85,8 +98,9 @@ def matmul_floor(shape: str, rows: int, repeats: int) -> float:
   def run(x, w):
     return jax.lax.scan(lambda x, _: (step(x, w), None), x, None, length=GEN_LEN)[0]
 
-  seconds, _ = common.time_fn(run, jax.numpy.ones((rows, d)), weights, repeats=repeats)
-  return seconds
+  args = (jax.numpy.ones((rows, d)), weights)
+  jax.block_until_ready(run(*args))  # compile
+  return run, args
 
 
 def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
@@ -112,24 +126,22 @@ def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", default="S,B")
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--early_exit_workdir", default="")
   args = parser.parse_args()
   rows = []
   for shape in args.shapes.split(","):
     for method, beams in (("greedy", 1), ("beam", 4)):
-      row = bench(shape, method, beams, args.repeats)
-      row["floor_s"] = matmul_floor(shape, NUM_SENTENCES * beams, args.repeats)
-      rows.append(row)
+      rows.append(bench(shape, method, beams, args.repeats))
   print(f"\n{common.machine_load()}; jax {jax.__version__}, {jax.devices()[0].platform}; "
         f"{NUM_SENTENCES} sentences x {SRC_LEN} source tokens -> {GEN_LEN} tokens")
   print("\n| shape | method | sentences/s | generated tokens/s | batch time (s) | "
-        "matmuls alone (s) | compile (s) |")
-  print("|---|---|---|---|---|---|---|")
+        "matmuls alone (s) | batch / matmuls | compile (s) |")
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(f"| {r['shape']} | {r['method']} | {r['sentences_per_s']:.1f} | "
-          f"{r['tokens_per_s']:.0f} | {r['seconds']:.3f} | {r['floor_s']:.3f} | "
-          f"{r['compile_s']:.1f} |")
+          f"{r['tokens_per_s']:,.0f} | {r['seconds']:.3f} | {r['floor_s']:.3f} | "
+          f"{r['over_floor']:.2f} | {r['compile_s']:.1f} |")
   print("\nmatmuls alone: the decoder's per-step weight matrices times the same rows "
         "for the same steps, nothing else (see matmul_floor): what the machine's "
         "matmuls need for this work.")
