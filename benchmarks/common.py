@@ -32,22 +32,22 @@ from transformer.model import TransformerConfig
 # ----------------------------------------------------------------------------
 
 
+def _shape(vocab_size, d_model, num_heads, d_ff, layers, batch, dropout_rate, overrides):
+  config = TransformerConfig(
+      vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
+      num_encoder_layers=layers, num_decoder_layers=layers, dropout_rate=dropout_rate,
+      dtype="float32", param_dtype="float32", **overrides)
+  return config, batch, 64, 64
+
+
 def shape_s(dropout_rate: float = 0.0, **overrides):
   """-> (TransformerConfig, batch, src_len, tgt_len) of the small shape S."""
-  config = TransformerConfig(
-      vocab_size=8192, d_model=256, num_heads=4, d_ff=1024,
-      num_encoder_layers=3, num_decoder_layers=3, dropout_rate=dropout_rate,
-      dtype="float32", param_dtype="float32", **overrides)
-  return config, 32, 64, 64
+  return _shape(8192, 256, 4, 1024, 3, 32, dropout_rate, overrides)
 
 
 def shape_b(dropout_rate: float = 0.0, **overrides):
   """-> (TransformerConfig, batch, src_len, tgt_len) of the base shape B."""
-  config = TransformerConfig(
-      vocab_size=32000, d_model=512, num_heads=8, d_ff=2048,
-      num_encoder_layers=6, num_decoder_layers=6, dropout_rate=dropout_rate,
-      dtype="float32", param_dtype="float32", **overrides)
-  return config, 16, 64, 64
+  return _shape(32000, 512, 8, 2048, 6, 16, dropout_rate, overrides)
 
 
 SHAPES: dict[str, Callable] = {"S": shape_s, "B": shape_b}

@@ -22,7 +22,6 @@ import re
 import textwrap
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -56,29 +55,6 @@ print(beams, samples)
 source, target, weights = translator.cross_attention(sentences[0])
 print(weights.shape)   # [decoder layers, heads, target pieces, source pieces]
 '''
-
-CACHE_SETTINGS = {
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-}
-
-
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-  """A persistent compilation cache for this module's runs (restored after)."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  path = tmp_path_factory.mktemp("jax_compilation_cache")
-  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
-  old = {name: getattr(jax.config, name) for name in names}
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  for name, value in CACHE_SETTINGS.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
-  yield path
-  for name, value in old.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
-
 
 @pytest.fixture(scope="module")
 def run_example(tmp_path_factory, compilation_cache):

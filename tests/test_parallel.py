@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -25,32 +24,7 @@ TIMEOUT_S = 120
 
 sys.path.insert(0, str(REPO / "tests"))
 import multiprocess_worker  # noqa: E402  (numpy-only helpers; no JAX import)
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items()
-         if "proxy" not in k.lower()  # gRPC would route localhost via a proxy
-         and not k.startswith(("JAX_", "XLA_"))}
-  env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-  env["JAX_PLATFORMS"] = "cpu"
-  env.update(extra)
-  return env
-
-
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _run(cmd, env, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
-  try:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-  except subprocess.TimeoutExpired as e:
-    pytest.fail(f"subprocess timed out after {timeout}s: {cmd}\n{e.stdout}\n{e.stderr}")
-  assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
-  return proc
+from helpers import free_port, run_checked, subprocess_env  # noqa: E402
 
 
 def _numpy_sgd():
@@ -112,9 +86,9 @@ EIGHT_DEVICE_SCRIPT = textwrap.dedent("""
 
 
 def test_eight_cpu_devices():
-  env = _clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8",
                    PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}")
-  proc = _run([sys.executable, "-c", EIGHT_DEVICE_SCRIPT], env)
+  proc = run_checked([sys.executable, "-c", EIGHT_DEVICE_SCRIPT], env, TIMEOUT_S)
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
   out = json.loads(line[len("RESULT"):])
 
@@ -137,8 +111,8 @@ def test_eight_cpu_devices():
 
 
 def test_two_processes_on_localhost(tmp_path):
-  port = _free_port()
-  env = _clean_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
+  port = free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
   procs, outs = [], []
   for pid in range(2):
     out = tmp_path / f"result_{pid}.json"
@@ -165,8 +139,8 @@ def test_two_processes_on_localhost(tmp_path):
     assert p.returncode == 0, log
 
   single_out = tmp_path / "single.json"
-  _run([sys.executable, str(WORKER), "--num_processes=1", "--local_devices=1",
-        f"--out={single_out}"], _clean_env())
+  run_checked([sys.executable, str(WORKER), "--num_processes=1", "--local_devices=1",
+               f"--out={single_out}"], subprocess_env(), TIMEOUT_S)
 
   r = [json.loads(o.read_text()) for o in outs]
   single = json.loads(single_out.read_text())

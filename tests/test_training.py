@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -36,6 +35,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
+from helpers import free_port, run_checked, subprocess_env  # noqa: E402
 
 from transformer import checkpoints, data, training  # noqa: E402
 from transformer import tokenizer as tokenizer_lib  # noqa: E402
@@ -48,11 +48,6 @@ TIMEOUT_S = 180
 # bitwise with a run compiled at the default level).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
-CACHE_SETTINGS = {
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
-}
-
 # Adam divides by sqrt(v) + eps: with the paper's eps = 1e-9, gradients that are
 # 0 up to rounding (e.g. of the key-projection biases, whose effect softmax
 # cancels, and of some key-kernel directions) become steps of +-lr
@@ -72,53 +67,6 @@ REF = {"num_train_steps": REF_STEPS, "grad_accum_steps": 2, "checkpoint_every": 
 # ----------------------------------------------------------------------------
 # Helpers and fixtures
 # ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-  """A persistent compilation cache for this module's runs (restored after)."""
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  path = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
-  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
-  old = {name: getattr(jax.config, name) for name in names}
-  jax.config.update("jax_compilation_cache_dir", str(path))
-  for name, value in CACHE_SETTINGS.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
-  yield path
-  for name, value in old.items():
-    jax.config.update(name, value)
-  cc.reset_cache()
-
-
-def subprocess_env(cache_dir=None, **extra: str) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items()
-         if "proxy" not in k.lower()  # gRPC would route localhost via a proxy
-         and not k.startswith(("JAX_", "XLA_"))}
-  env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-  env["JAX_PLATFORMS"] = "cpu"
-  if cache_dir is not None:
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    for name, value in CACHE_SETTINGS.items():
-      env[name.upper()] = str(value)
-  env.update(extra)
-  return env
-
-
-def run_checked(cmd, env, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
-  try:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-  except subprocess.TimeoutExpired as e:
-    pytest.fail(f"timed out after {timeout}s: {cmd}\n{e.stdout}\n{e.stderr}")
-  assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
-  return proc
-
-
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def train(workdir, overrides, **kwargs) -> training.TrainResult:
@@ -431,7 +379,7 @@ def test_eight_devices_match_one_device(tmp_path, reference_run, compilation_cac
   out = tmp_path / "eight.json"
   run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
                f"--overrides={json.dumps(overrides)}", "--num_cpu_devices=8", f"--out={out}"],
-              subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS))
+              subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS), TIMEOUT_S)
   result = json.loads(out.read_text())
   assert result["device_count"] == 8 and result["step"] == 8
 
@@ -586,7 +534,7 @@ def test_sigkill_during_training_then_resume(tmp_path, reference_run, compilatio
   assert at_kill and at_kill[-1] < REF_STEPS
   print(f"killed at checkpoint {at_kill[-1]}, during a save: {killed_during_save}")
 
-  proc = run_checked(cmd, env)
+  proc = run_checked(cmd, env, TIMEOUT_S)
   assert "Trained 24 steps" in proc.stdout
   assert checkpoints.checkpoint_steps(workdir)[-1] == REF_STEPS
   assert not [p for p in ckpt_dir.iterdir() if "tmp" in p.name]

@@ -603,11 +603,36 @@ def train_dataset(
     num_threads: int | None = None,
     prefetch: int = 2,
 ) -> grain.IterDataset:
-  """The endless training `grain.IterDataset` behind `train_iterator`.
+  """The endless, shuffled training `grain.IterDataset` behind `train_iterator`.
 
   Exposed for callers that want to add grain stages of their own (with
-  prefetch=0, e.g. `.mp_prefetch(...)` for worker processes). See
-  `train_iterator` for the arguments; `iter()` of it gives no exit guard.
+  prefetch=0, e.g. `.mp_prefetch(...)` for worker processes); `iter()` of it
+  gives no exit guard (`train_iterator` adds one).
+
+  Args:
+    pairs: random-access sequence of (source, target) strings (`load_split`).
+    tokenizer: the shared vocabulary; EOS is appended to source and target.
+    batch_size: rows per batch *on this process*.
+    max_length: tokens per row (EOS included), for inputs and for targets.
+    seed: shuffle seed (each epoch is reshuffled; same seed -> same batches).
+    shard_index, shard_count: this process reads only the contiguous slice
+      `shard_bounds(len(pairs), shard_index, shard_count)` of the data
+      (`jax.process_index()`, `jax.process_count()`).
+    pack: True: several examples per row with grain's first-fit packer
+      (`grain.experimental.FirstFitPackIterDataset`, one packing round of
+      `batch_size` bins per batch); False: one example per row, padded.
+    drop_long: True: examples whose source or target exceeds `max_length`
+      tokens are skipped; False: they are truncated (EOS kept as the last
+      token). `summarize` counts them.
+    num_threads: grain threads reading + tokenizing examples. None: 0 for an
+      in-memory list/tuple (threads only add GIL contention), 4 otherwise
+      (e.g. TFDS array_record files).
+    prefetch: batches prepared ahead in a background thread
+      (`grain.experimental.ThreadPrefetchIterDataset`); 0 disables it.
+
+  Returns:
+    A `grain.IterDataset` of dicts (see the module docstring for keys), each
+    `[batch_size, max_length]` int32.
   """
   if batch_size < 1 or max_length < 2:
     raise ValueError(f"need batch_size >= 1 and max_length >= 2, got {batch_size}, {max_length}")
@@ -650,52 +675,20 @@ def train_dataset(
   return it_ds
 
 
-def train_iterator(
-    pairs: Sequence[Pair],
-    tokenizer: Tokenizer,
-    *,
-    batch_size: int,
-    max_length: int,
-    seed: int,
-    shard_index: int = 0,
-    shard_count: int = 1,
-    pack: bool = True,
-    drop_long: bool = True,
-    num_threads: int | None = None,
-    prefetch: int = 2,
-) -> grain.DatasetIterator:
+def train_iterator(pairs: Sequence[Pair], tokenizer: Tokenizer,
+                   **options) -> grain.DatasetIterator:
   """Endless, shuffled, checkpointable iterator of training batches.
 
-  Args:
-    pairs: random-access sequence of (source, target) strings (`load_split`).
-    tokenizer: the shared vocabulary; EOS is appended to source and target.
-    batch_size: rows per batch *on this process*.
-    max_length: tokens per row (EOS included), for inputs and for targets.
-    seed: shuffle seed (each epoch is reshuffled; same seed -> same batches).
-    shard_index, shard_count: this process reads only the contiguous slice
-      `shard_bounds(len(pairs), shard_index, shard_count)` of the data
-      (`jax.process_index()`, `jax.process_count()`).
-    pack: True: several examples per row with grain's first-fit packer
-      (`grain.experimental.FirstFitPackIterDataset`, one packing round of
-      `batch_size` bins per batch); False: one example per row, padded.
-    drop_long: True: examples whose source or target exceeds `max_length`
-      tokens are skipped; False: they are truncated (EOS kept as the last
-      token). `summarize` counts them.
-    num_threads: grain threads reading + tokenizing examples. None: 0 for an
-      in-memory list/tuple (threads only add GIL contention), 4 otherwise
-      (e.g. TFDS array_record files).
-    prefetch: batches prepared ahead in a background thread
-      (`grain.experimental.ThreadPrefetchIterDataset`); 0 disables it.
+  `options` are `train_dataset`'s keyword arguments (batch_size, max_length,
+  seed required; shard_index, shard_count, pack, drop_long, num_threads,
+  prefetch).
 
   Returns:
     A `grain.DatasetIterator` of dicts (see the module docstring for keys),
     each `[batch_size, max_length]` int32. `get_state()` / `set_state()` save
     and restore the exact position.
   """
-  iterator = iter(train_dataset(
-      pairs, tokenizer, batch_size=batch_size, max_length=max_length, seed=seed,
-      shard_index=shard_index, shard_count=shard_count, pack=pack,
-      drop_long=drop_long, num_threads=num_threads, prefetch=prefetch))
+  iterator = iter(train_dataset(pairs, tokenizer, **options))
   _close_at_exit(iterator)
   return iterator
 

@@ -21,9 +21,8 @@ import json
 import logging
 import math
 import os
-import signal
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -410,7 +409,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   step = start_step
   train_summary: dict[str, float] = {}
   eval_summary: dict[str, float] = {}
-  window, window_start, window_tokens = None, time.perf_counter(), 0.0
+  window, window_start = None, time.perf_counter()
   metrics = None
   last_log_step = start_step
   try:

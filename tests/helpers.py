@@ -1,0 +1,59 @@
+"""Helpers shared by the tests that start subprocesses (no JAX import here).
+
+Every subprocess gets a clean environment (CPU only, no JAX_/XLA_ settings or
+proxies inherited) and a time limit, so a hang fails its test instead of
+blocking CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Cache every compilation, however small or quick (the defaults skip those).
+CACHE_SETTINGS = {
+    "jax_persistent_cache_min_compile_time_secs": 0.0,
+    "jax_persistent_cache_min_entry_size_bytes": 0,
+}
+
+
+def subprocess_env(cache_dir=None, **extra: str) -> dict[str, str]:
+  """The environment of a test subprocess: this one's, minus JAX_/XLA_
+  settings and proxies (gRPC would route localhost through one), with the
+  repository importable, JAX on CPU, and optionally a persistent compilation
+  cache in `cache_dir`; `extra` variables last."""
+  env = {k: v for k, v in os.environ.items()
+         if "proxy" not in k.lower() and not k.startswith(("JAX_", "XLA_"))}
+  env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+  env["JAX_PLATFORMS"] = "cpu"
+  if cache_dir is not None:
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    for name, value in CACHE_SETTINGS.items():
+      env[name.upper()] = str(value)
+  env.update(extra)
+  return env
+
+
+def run_checked(cmd, env, timeout: float) -> subprocess.CompletedProcess:
+  """Runs `cmd` in the repository; fails the test on a timeout or a non-zero
+  exit, showing the output."""
+  try:
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired as e:
+    pytest.fail(f"timed out after {timeout}s: {cmd}\n{e.stdout}\n{e.stderr}")
+  assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"
+  return proc
+
+
+def free_port() -> int:
+  """A TCP port free on localhost right now (for jax.distributed's coordinator)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
