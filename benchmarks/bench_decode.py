@@ -10,7 +10,10 @@ the one `decode.py` runs (`Translator._decode_fn`): encoder once, cross-
 attention keys/values once per input, then the scan-based strategy.
 
 With --early_exit_workdir (a trained demo workdir), it also times beam search
-over the demo test set with and without early exit.
+over the demo test set with and without early exit. With
+--compare_prefix_parts=1,4 it instead compares decoders that read the whole
+self-attention cache at every step (1) with ones that read only the written
+prefix (4 static prefixes, the default), in turn in one process.
 """
 
 from __future__ import annotations
@@ -123,12 +126,48 @@ def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
           f"({times[False] / times[True]:.1f}x faster, identical output)")
 
 
+def compare_cache_prefix_parts(shapes, parts_list, repeats: int) -> None:
+  """A/B of `model.CACHE_PREFIX_PARTS` (how many static cache prefixes a
+  decoding step chooses from; 1 = always the whole cache): every variant is
+  compiled, then they run in turn for `repeats` rounds, so each sees the same
+  neighbours. Prints median and best seconds per batch and compile times."""
+  print("\n| shape | method | prefixes | median (s) | best (s) | compile (s) | same output |")
+  print("|---|---|---|---|---|---|---|")
+  default = model_lib.CACHE_PREFIX_PARTS
+  for shape in shapes:
+    for method, beams in (("greedy", 1), ("beam", 4)):
+      variants = {}
+      for parts in parts_list:
+        model_lib.CACHE_PREFIX_PARTS = parts  # read when the decoder is traced
+        try:
+          variants[parts] = compile_decoder(shape, method, beams)
+        finally:
+          model_lib.CACHE_PREFIX_PARTS = default
+      outputs = {p: np.asarray(c(*a)[0]) for p, (c, a, _) in variants.items()}
+      times = {p: [] for p in variants}
+      for _ in range(repeats):
+        for p, (compiled, args, _) in variants.items():
+          times[p].append(common.time_fn(lambda: compiled(*args), repeats=1, warmup=0)[0])
+      first = outputs[parts_list[0]]
+      for p, (_, _, compile_s) in variants.items():
+        print(f"| {shape} | {method if beams == 1 else f'beam {beams}'} | {p} | "
+              f"{statistics.median(times[p]):.3f} | {min(times[p]):.3f} | {compile_s:.1f} | "
+              f"{np.array_equal(outputs[p], first)} |")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", default="S,B")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--early_exit_workdir", default="")
+  parser.add_argument("--compare_prefix_parts", default="",
+                      help="e.g. 1,4: A/B of model.CACHE_PREFIX_PARTS instead of the table")
   args = parser.parse_args()
+  if args.compare_prefix_parts:
+    compare_cache_prefix_parts(args.shapes.split(","),
+                               [int(p) for p in args.compare_prefix_parts.split(",")],
+                               args.repeats)
+    return
   rows = []
   for shape in args.shapes.split(","):
     for method, beams in (("greedy", 1), ("beam", 4)):
