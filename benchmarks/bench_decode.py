@@ -46,7 +46,7 @@ def compile_decoder(shape: str, method: str, beam_size: int):
   fn = translator._decode_fn(method, NUM_SENTENCES, SRC_LEN, GEN_LEN, beam_size, 0)
   inputs = np.asarray(jax.random.randint(jax.random.key(1), (NUM_SENTENCES, SRC_LEN), 3,
                                          config.vocab_size))
-  args = (translator.params, inputs, jax.random.key(2), 0.6, 1.0, 1.0, GEN_LEN)
+  args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), 0.6, 1.0, 1.0, GEN_LEN)
   start = time.perf_counter()
   compiled = fn.lower(*args).compile()
   return compiled, args, time.perf_counter() - start
@@ -87,14 +87,15 @@ def matmul_floor(shape: str, rows: int):
   weights = {"attention": 0.02 * jax.random.normal(next(keys), (layers, 6, d, d)),
              "inner": 0.02 * jax.random.normal(next(keys), (layers, d, f)),
              "outer": 0.02 * jax.random.normal(next(keys), (layers, f, d)),
-             "vocab": 0.02 * jax.random.normal(next(keys), (config.vocab_size, d))}
+             # [d_model, vocab], as the decoder reads it (Decoder.logits_kernel)
+             "vocab": 0.02 * jax.random.normal(next(keys), (d, config.vocab_size))}
 
   def step(x, w):
     for layer in range(layers):
       for j in range(6):
         x = x + x @ w["attention"][layer, j]
       x = x + jax.nn.relu(x @ w["inner"][layer]) @ w["outer"][layer]
-    logits = x @ w["vocab"].T
+    logits = x @ w["vocab"]
     return x + 1e-3 * logits[:, :d]
 
   @jax.jit

@@ -672,3 +672,18 @@ def test_top_k_large_equals_lax_top_k(n, k, ties):
   # And against numpy: a stable sort, descending by value.
   order = np.argsort(-x, axis=1, kind="stable")[:, :k]
   np.testing.assert_array_equal(indices, order)
+
+
+def test_argmax_equals_numpy_argmax():
+  """Greedy's argmax: the first index of the maximum, as numpy's, with heavy
+  ties, -inf rows, +inf and NaN entries."""
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 5, (8, 32000)).astype(np.float32)  # many ties of the max
+  x[1] = rng.normal(size=32000)
+  x[2] = -np.inf                     # nothing finite: index 0
+  x[3, [7, 100, 31999]] = np.inf     # the first +inf
+  x[4, [20, 9000]] = np.nan          # the first NaN wins, as in numpy
+  x[5, 31999] = 10.0                 # the maximum at the last index
+  got = jax.jit(decoding.argmax)(jnp.asarray(x))
+  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+  assert got.dtype == jnp.int32

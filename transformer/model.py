@@ -465,6 +465,11 @@ class Embeddings(nn.Module):
     """`[batch, length, d_model]` -> logits `[batch, length, vocab]` (y E^T)."""
     return self.embedding.attend(y)
 
+  def attend_kernel(self) -> Array:
+    """E^T as a `[d_model, vocab]` array in the compute dtype: `attend(y)` is
+    `y @ attend_kernel()`."""
+    return self.embedding.embedding.T.astype(self.config.compute_dtype)
+
 
 class InputEmbedding(nn.Module):
   """Token embedding + positional encoding, then dropout (Section 5.4)."""
@@ -693,16 +698,37 @@ class Decoder(nn.Module):
     if not cfg.logits_via_embedding:
       self.output_projection = _dense(cfg, cfg.vocab_size)
 
-  def logits(self, y: Array) -> Array:
-    """The final linear transformation: `[..., d_model]` -> float32 `[..., vocab]`."""
+  def logits(self, y: Array, logits_kernel: Array | None = None) -> Array:
+    """The final linear transformation: `[..., d_model]` -> float32 `[..., vocab]`.
+
+    `logits_kernel` (decoding): the tied projection already laid out as
+    `[d_model, vocab]` (`logits_kernel()`), so that y E^T reads it row-major.
+    """
     cfg = self.config
     if cfg.normalization == "pre":
       y = self.final_norm(y).astype(cfg.compute_dtype)
-    if cfg.logits_via_embedding:
+    if logits_kernel is not None:
+      logits = jnp.dot(y.astype(cfg.compute_dtype), logits_kernel)
+    elif cfg.logits_via_embedding:
       logits = self.embeddings.attend(y)
     else:
       logits = self.output_projection(y)
     return logits.astype(jnp.float32)
+
+  def logits_kernel(self) -> Array | None:
+    """E^T `[d_model, vocab]` in the compute dtype, for the tied projection of
+    decoding steps (None when the projection is untied: its kernel is already
+    `[d_model, vocab]`).
+
+    Computed once per batch (`Transformer.encoder_memory`): with a few rows per
+    step, y E^T against E stored `[vocab, d_model]` measured 25-35% slower
+    than against a row-major E^T copy (B greedy: 6.5 vs 4.7 ms per step), and
+    the projection is the step's largest matmul.
+    """
+    cfg = self.config
+    if not cfg.logits_via_embedding:
+      return None
+    return self.embeddings.attend_kernel()
 
   def __call__(self, decoder_inputs: Array, segment_ids: Array, positions: Array,
                encoded: Array, encoder_segment_ids: Array) -> Array:
@@ -726,8 +752,12 @@ class Decoder(nn.Module):
       return kv
     return [layer.memory(encoded) for layer in self.layers]
 
-  def step(self, tokens: Array, cache: dict, memory, cross_mask: Array):
+  def step(self, tokens: Array, cache: dict, memory, cross_mask: Array,
+           logits_kernel: Array | None = None):
     """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache.
+
+    `memory`: every layer's cross-attention keys/values (`memory()`);
+    `logits_kernel`: from `logits_kernel()`, or None to read the embedding.
 
     Beam j of input b writes its keys/values into its own cache slot j, and no
     slot is ever moved: when beam search keeps a hypothesis, only the small
@@ -760,7 +790,8 @@ class Decoder(nn.Module):
         y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, self_mask,
                                     index)
         layers.append(layer_cache)
-    return self.logits(y[:, 0]), {"index": index + 1, "ancestry": ancestry, "layers": layers}
+    return (self.logits(y[:, 0], logits_kernel),
+            {"index": index + 1, "ancestry": ancestry, "layers": layers})
 
 
 class Transformer(nn.Module):
@@ -829,12 +860,24 @@ class Transformer(nn.Module):
                        decoder_segment_ids, decoder_positions)
 
   def encoder_memory(self, encoded: Array, inputs: Array,
-                     inputs_segment_ids: Array | None = None) -> dict:
-    """What the decoder needs from the encoder, computed once per input:
-    every layer's cross-attention keys/values and the source padding mask."""
+                     inputs_segment_ids: Array | None = None,
+                     logits_kernel: Array | None = None) -> dict:
+    """What every decoding step needs and no step changes, computed once per
+    batch: every layer's cross-attention keys/values, the source padding mask
+    and (tied embeddings) the pre-softmax projection E^T laid out for the step
+    (`logits_kernel()`; pass it in to reuse one copy across batches)."""
     segment_ids, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
+    if logits_kernel is None:
+      logits_kernel = self.decoder.logits_kernel()
     return {"key_value": self.decoder.memory(encoded),
-            "mask": (segment_ids > 0)[:, None, None, None, :]}
+            "mask": (segment_ids > 0)[:, None, None, None, :],
+            "logits_kernel": logits_kernel}
+
+  def logits_kernel(self) -> Array | None:
+    """E^T `[d_model, vocab]` for decoding steps (None if untied): see
+    `Decoder.logits_kernel`. It depends on the parameters only, so a caller
+    decoding many batches computes it once (`translation.Translator`)."""
+    return self.decoder.logits_kernel()
 
   def decode_step(self, token_ids: Array, cache: dict, memory: dict) -> tuple[Array, dict]:
     """One step of incremental decoding.
@@ -847,7 +890,8 @@ class Transformer(nn.Module):
     Returns:
       logits `[batch * beams, vocab]` (float32) for the next token, and the cache.
     """
-    return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"])
+    return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"],
+                             memory.get("logits_kernel"))
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_decode_len: int,
