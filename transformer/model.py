@@ -356,8 +356,9 @@ def _attend_slots(query: Array, key: Array, value: Array, mask: Array) -> Array:
   """Scaled dot-product attention of each input's beams over its key/value slots.
 
   query `[batch, heads, beams, d_k]` (already scaled by 1/sqrt(d_k)), key
-  `[batch, heads, slots, d_k, length]`, value `[batch, heads, slots * length,
-  d_v]`, mask broadcastable to `[batch, heads, beams, slots, length]`
+  `[batch, heads, slots, d_k, length]`, value `[batch, heads, slots *
+  value_length, d_v]` with value_length >= length (positions past `length`
+  get weight 0), mask broadcastable to `[batch, heads, beams, slots, length]`
   -> `[batch, heads, beams, d_v]`.
   """
   # scores[b, h, q, s, t] = sum_d query[b, h, q, d] key[b, h, s, d, t]
@@ -373,7 +374,14 @@ def _attend_slots(query: Array, key: Array, value: Array, mask: Array) -> Array:
                  for d in range(query.shape[-1]))
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=(3, 4)).astype(value.dtype)
-  # heads[b, h, q, d] = sum_{s, t} weights[b, h, q, s, t] value[b, h, s * length + t, d]
+  # heads[b, h, q, d] = sum_{s, t} weights[b, h, q, s, t] value[b, h, s * L + t, d]
+  # with L = value_length: zero weights pad a prefix's to the whole value
+  # cache, which the matmul then reads in place (slicing each slot's prefix
+  # would copy it first, at a higher cost than the extra rows).
+  slots, length = key.shape[2], key.shape[-1]
+  value_length = value.shape[2] // slots
+  if value_length > length:
+    weights = jnp.pad(weights, ((0, 0),) * 4 + ((0, value_length - length),))
   weights = weights.reshape(weights.shape[:3] + (-1,))
   return jnp.einsum("bhqx,bhxd->bhqd", weights, value)
 
@@ -391,16 +399,15 @@ def _attend_cache_prefix(query: Array, key: Array, value: Array, mask: Array,
   holds the `written` positions: on average 5/8 of the cache is read instead
   of all of it, for 4 compiled copies of this small function.
   """
-  slots, length = key.shape[2], key.shape[-1]
-  batch, heads, _, d_v = value.shape
+  length = key.shape[-1]
   parts = min(CACHE_PREFIX_PARTS, length)
   bounds = [-(-length * (i + 1) // parts) for i in range(parts)]
 
   def prefix(n):
     def attend(query, key, value, mask):
-      value = value.reshape(batch, heads, slots, length, d_v)[:, :, :, :n]
-      return _attend_slots(query, key[..., :n], value.reshape(batch, heads, slots * n, d_v),
-                           mask[..., :n])
+      # Keys and scores are read for the prefix only; values in place (see
+      # `_attend_slots`: the weights past n are zeros).
+      return _attend_slots(query, key[..., :n], value, mask[..., :n])
     return attend
 
   branch = sum((written > bound).astype(jnp.int32) for bound in bounds[:-1])
