@@ -687,3 +687,32 @@ def test_argmax_equals_numpy_argmax():
   got = jax.jit(decoding.argmax)(jnp.asarray(x))
   np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
   assert got.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_beam_candidates_top_k_equals_top_k_of_the_candidates(ties):
+  """Beam search's top-k over beams x vocabulary, computed from block maxima
+  of the raw logits, equals lax.top_k of the materialised candidates alive +
+  log_softmax(logits) (values bit for bit, indices with ties lower first),
+  with empty (-inf) alive slots and forbidden (-inf) tokens."""
+  batch, beams, vocab, k = 3, 4, 2048, 8
+  rng = np.random.default_rng(7)
+  if ties:  # few distinct values: many equal candidates across blocks and beams
+    logits = rng.integers(0, 4, (batch, beams, vocab)).astype(np.float32)
+    # A later block with the largest entry: the blocks must still be read in
+    # index order for the ties of 3 to resolve as lax.top_k does.
+    logits[0, 0, 5 * decoding.TOP_K_BLOCK + 3] = 9.0
+  else:
+    logits = rng.normal(size=(batch, beams, vocab)).astype(np.float32) * 3
+  logits[:, :, 1] = -np.inf  # e.g. EOS forbidden by min_len
+  alive = np.array([[0.0, -1.5, -2.0, -7.0],
+                    [0.0, -np.inf, -np.inf, -np.inf],  # the first step: one live beam
+                    [-0.5, -0.5, -0.5, -0.5]], np.float32)  # equal beams
+  want = jnp.asarray(alive)[:, :, None] + jax.nn.log_softmax(jnp.asarray(logits))
+  want_values, want_indices = jax.lax.top_k(want.reshape(batch, -1), k)
+  values, indices = jax.jit(decoding._beam_candidates_top_k, static_argnums=2)(
+      jnp.asarray(logits), jnp.asarray(alive), k)
+  np.testing.assert_array_equal(values, want_values)
+  np.testing.assert_array_equal(indices, want_indices)
+  order = np.argsort(-np.asarray(want).reshape(batch, -1), axis=1, kind="stable")[:, :k]
+  np.testing.assert_array_equal(indices, order)

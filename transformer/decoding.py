@@ -138,6 +138,53 @@ def top_k_large(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   return values, indices.astype(jnp.int32)
 
 
+def _beam_candidates_top_k(logits: jax.Array, alive_log_probs: jax.Array,
+                           k: int) -> tuple[jax.Array, jax.Array]:
+  """The k best one-token extensions of the alive hypotheses: `top_k_large`
+  of `alive_log_probs[:, :, None] + log_softmax(logits)` over beams x vocab,
+  without writing that [batch, beams * vocab] array.
+
+  Every candidate is f(logit) for a per-row map f(x) = alive + ((x - max) -
+  log sum exp(x - max)) that never decreases in x, so the maximum of f over a
+  block of TOP_K_BLOCK logits is f(the block's maximum logit), in floating point
+  too. One pass over the logits takes the block maxima (whose maximum is the
+  row's, for the log-softmax), a second the sum of exponentials; the k best
+  blocks are then picked from f(block maxima) and only their 2 * k * block
+  candidates are formed. Same values and indices as `top_k_large` on the
+  candidates (ties: the lower index first).
+
+  logits: [batch, beams, vocab] float32; alive_log_probs: [batch, beams];
+  returns ([batch, k] values, [batch, k] int32 indices into beams * vocab).
+  """
+  batch, beams, vocab = logits.shape
+  block = TOP_K_BLOCK
+  if vocab % block or beams * vocab < 8 * k * block:
+    log_probs = jax.nn.log_softmax(logits)
+    return top_k_large((alive_log_probs[:, :, None] + log_probs).reshape(batch, -1), k)
+  blocks = logits.reshape(batch, beams, vocab // block, block)
+  block_max = jnp.max(blocks, axis=-1)                          # [batch, beams, blocks]
+  row_max = jnp.max(block_max, axis=-1, keepdims=True)
+  # log_softmax(x) = (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax.
+  log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+
+  def candidate(x, row_max, log_sum, alive):
+    return alive + ((x - row_max) - log_sum)
+
+  best_of_block = candidate(block_max, row_max, log_sum, alive_log_probs[:, :, None])
+  _, best_blocks = lax.top_k(best_of_block.reshape(batch, -1), k)
+  best_blocks = jnp.sort(best_blocks, axis=-1)  # index order: ties as lax.top_k
+  per_beam = vocab // block
+  parent = best_blocks // per_beam                                 # [batch, k]
+  take = lambda x: jnp.take_along_axis(x, parent, axis=1)[:, :, None]
+  chosen = jnp.take_along_axis(blocks.reshape(batch, beams * per_beam, block),
+                               best_blocks[:, :, None], axis=1)    # [batch, k, block]
+  values = candidate(chosen, take(row_max[..., 0]), take(log_sum[..., 0]),
+                     take(alive_log_probs))
+  values, flat = lax.top_k(values.reshape(batch, k * block), k)
+  indices = jnp.take_along_axis(best_blocks, flat // block, axis=1) * block + flat % block
+  return values, indices.astype(jnp.int32)
+
+
 def argmax(logits: jax.Array) -> jax.Array:
   """`jnp.argmax(logits, axis=-1)` (the first index of the maximum), as a max
   and then a min over the indices that reach it: two vectorised reductions
@@ -155,9 +202,14 @@ def argmax(logits: jax.Array) -> jax.Array:
 
 
 def _forbid_eos(logits: jax.Array, eos_id, forbid) -> jax.Array:
-  """Sets the EOS logit of every row to -inf where `forbid` (a scalar bool)."""
-  eos_logit = jnp.where(forbid, NEG_INF, logits[:, eos_id])
-  return logits.at[:, eos_id].set(eos_logit)
+  """Sets the EOS logit of every row to -inf where `forbid` (a scalar bool).
+
+  A select rather than an in-place update of column eos_id: it fuses into
+  whatever reads the logits, where an update made XLA copy the whole
+  [batch, vocab] logits for each of their readers.
+  """
+  is_eos = lax.broadcasted_iota(jnp.int32, logits.shape, 1) == eos_id
+  return jnp.where(forbid & is_eos, NEG_INF, logits)
 
 
 def _step_logits(tokens_to_logits, token_ids, cache, step, eos_id, min_len):
@@ -471,13 +523,12 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                                  state.last_tokens.reshape(batch * beams),
                                  state.cache, step, eos_id, min_len)
     vocab = logits.shape[-1]
-    log_probs = jax.nn.log_softmax(logits).reshape(batch, beams, vocab)
 
-    # The 2 * beams best extensions of the alive hypotheses, per input.
-    # Empty alive slots have log-prob -inf, so their extensions stay -inf.
-    candidate_log_probs = state.alive_log_probs[:, :, None] + log_probs
-    topk_log_probs, topk_flat = top_k_large(
-        candidate_log_probs.reshape(batch, beams * vocab), 2 * beams)
+    # The 2 * beams best extensions of the alive hypotheses (log-prob of the
+    # hypothesis + log_softmax of the next token), per input. Empty alive
+    # slots have log-prob -inf, so their extensions stay -inf.
+    topk_log_probs, topk_flat = _beam_candidates_top_k(
+        logits.reshape(batch, beams, vocab), state.alive_log_probs, 2 * beams)
     topk_parents = topk_flat // vocab  # [batch, 2 * beams] beam index
     topk_tokens = (topk_flat % vocab).astype(jnp.int32)
     topk_seqs = _gather_beams(state.alive_seqs, topk_parents)
