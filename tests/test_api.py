@@ -173,6 +173,30 @@ def test_translator_keeps_order_count_and_empty_lines(run_example):
     translator.translate(sentences, method="nucleus")
 
 
+def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_example):
+  """Training's evaluation keeps one Translator and swaps in new parameters."""
+  import jax
+  from transformer.translation import Translator
+  namespace, _ = run_example(API_EXAMPLE)
+  translator = namespace["translator"]
+  sentences = ["forty-two red apples", "one small cat", "seven new cars"]
+  trained = translator.params
+  before = translator.translate(sentences, method="beam")  # compiles these shapes
+  compiled = dict(translator._executables)
+  other = jax.tree_util.tree_map(lambda x: x * 0.5 + 0.01, trained)
+  want = Translator(translator.config, other, translator.tokenizer).translate(
+      sentences, method="beam")
+  translator.set_params(other)
+  try:
+    got = translator.translate(sentences, method="beam")
+    assert translator._executables == compiled  # nothing compiled again
+  finally:
+    translator.set_params(trained)  # the module's other tests use it
+  assert got == want
+  assert got != before  # the new parameters did change the translations
+  assert translator.translate(sentences, method="beam") == before
+
+
 def test_cross_attention_of_a_given_target(run_example):
   namespace, _ = run_example(API_EXAMPLE)
   translator = namespace["translator"]

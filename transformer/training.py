@@ -365,7 +365,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   progress = metrics_lib.progress_bar(start_step, config.num_train_steps,
                                       enabled=is_main and not quiet)
 
+  translator = None  # one for every evaluation, so its decoders compile once
+
   def evaluate(params, step, final=False) -> dict[str, float]:
+    nonlocal translator
     sums = None
     eval_rows = config.eval_batch_size
     for batch in data.eval_batches(eval_pairs[:config.num_eval_examples] if config.num_eval_examples
@@ -376,7 +379,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       sums = out if sums is None else jax.tree_util.tree_map(jnp.add, sums, out)
     result = summarize_sums(sums)
     if config.num_bleu_examples:
-      translator = translation.Translator(model_config, params, tokenizer)
+      if translator is None:
+        translator = translation.Translator(model_config, params, tokenizer)
+      else:
+        translator.set_params(params)
       subset = list(eval_pairs[:config.num_bleu_examples])
       hyps = translator.translate([s for s, _ in subset], method=config.eval_decode_method,
                                   beam_size=config.eval_beam_size)

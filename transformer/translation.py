@@ -66,17 +66,24 @@ class Translator:
     self.tokenizer = tokenizer
     self.model = Transformer(model_config)
     self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
+    self.last_stats: dict[str, float] = {}
+    self._compiled = {}  # the cross-attention function, jitted once
+    self._executables = {}  # decoders compiled for one batch shape
+    self._logits_kernel_fn = jax.jit(lambda p: self.model.apply(
+        {"params": p}, method=Transformer.logits_kernel))
+    self.set_params(params)
+
+  def set_params(self, params) -> None:
+    """Translates with `params` from now on (same shapes: e.g. a later
+    checkpoint of the same model, as training's evaluation does). The
+    compiled decoders are kept: they take the parameters as an argument."""
     if jax.process_count() > 1:  # global arrays -> this process's devices
       from transformer import parallel
       params = parallel.to_host(params)
     self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
     # The tied output projection laid out for decoding steps, once for all
     # batches (a transpose of the embedding: 40 ms for the base model on CPU).
-    self.logits_kernel = jax.jit(lambda p: self.model.apply(
-        {"params": p}, method=Transformer.logits_kernel))(self.params)
-    self.last_stats: dict[str, float] = {}
-    self._compiled = {}  # the cross-attention function, jitted once
-    self._executables = {}  # decoders compiled for one batch shape
+    self.logits_kernel = self._logits_kernel_fn(self.params)
 
   # -- the jitted decoder ----------------------------------------------------
 
