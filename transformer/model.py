@@ -32,7 +32,9 @@ self-attention caches are never copied either: each beam writes into its own
 slot, and an `ancestry` table says which slot holds each position of a beam's
 history (`Decoder.step`, `reorder_cache`). Decoding keeps keys/values heads
 first, `[batch, heads, length, d_k]`, so a step transposes nothing of size,
-and a step reads only a written prefix of the cache (`_attend_cache_prefix`).
+and a step reads only a written prefix of the keys (`_attend_cache_prefix`).
+The tied pre-softmax projection is read from a row-major E^T made once
+(`Transformer.logits_kernel`), not from the embedding as stored.
 """
 
 from __future__ import annotations
@@ -727,10 +729,11 @@ class Decoder(nn.Module):
     decoding steps (None when the projection is untied: its kernel is already
     `[d_model, vocab]`).
 
-    Computed once per batch (`Transformer.encoder_memory`): with a few rows per
-    step, y E^T against E stored `[vocab, d_model]` measured 25-35% slower
-    than against a row-major E^T copy (B greedy: 6.5 vs 4.7 ms per step), and
-    the projection is the step's largest matmul.
+    Made once per batch by `Transformer.encoder_memory`, or once for all
+    batches by its caller (`translation.Translator`), never per step: with a
+    few rows per step, y E^T against E stored `[vocab, d_model]` measured
+    25-35% slower than against a row-major E^T copy (B greedy: 6.5 vs 4.7 ms
+    per step), and the projection is the step's largest matmul.
     """
     cfg = self.config
     if not cfg.logits_via_embedding:
@@ -898,7 +901,7 @@ class Transformer(nn.Module):
       logits `[batch * beams, vocab]` (float32) for the next token, and the cache.
     """
     return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"],
-                             memory.get("logits_kernel"))
+                             memory["logits_kernel"])
 
 
 def init_cache(config: TransformerConfig, batch_size: int, max_decode_len: int,
