@@ -36,9 +36,10 @@ from transformer.translation import Translator
 NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
 
 
-def compile_decoder(shape: str, method: str, beam_size: int):
-  """The benchmark's decoder for `shape`, compiled: -> (compiled, args, seconds
-  to compile). `compiled(*args)` decodes the fixed batch."""
+def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=None):
+  """The benchmark's decoder for `shape`, compiled (with XLA `compiler_options`
+  if given): -> (compiled, args, seconds to compile). `compiled(*args)`
+  decodes the fixed batch."""
   config, *_ = common.SHAPES[shape]()
   config = config.replace(max_len=128)
   params = model_lib.init_params(config, jax.random.key(0))
@@ -48,7 +49,7 @@ def compile_decoder(shape: str, method: str, beam_size: int):
                                          config.vocab_size))
   args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), 0.6, 1.0, 1.0, GEN_LEN)
   start = time.perf_counter()
-  compiled = fn.lower(*args).compile()
+  compiled = fn.lower(*args).compile(compiler_options=compiler_options)
   return compiled, args, time.perf_counter() - start
 
 

@@ -47,10 +47,10 @@ def make_batch(config, batch, src_len, tgt_len):
   return {k: v[None] for k, v in b.items()}  # [accumulation=1, rows, length]
 
 
-def compile_train_step(name, dropout):
-  """train.py's step for shape `name`, compiled: -> (compiled, initial state,
-  batch, seconds to compile). `compiled(state, batch)` -> (state, metrics);
-  the state is donated."""
+def compile_train_step(name, dropout, compiler_options=None):
+  """train.py's step for shape `name`, compiled (with XLA `compiler_options` if
+  given): -> (compiled, initial state, batch, seconds to compile).
+  `compiled(state, batch)` -> (state, metrics); the state is donated."""
   config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
   optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
   state = training.create_train_state(config, optimizer, seed=0)
@@ -59,7 +59,7 @@ def compile_train_step(name, dropout):
       label_smoothing=0.1), donate_argnums=0)
   data = make_batch(config, batch, src_len, tgt_len)
   start = time.perf_counter()
-  compiled = step.lower(state, data).compile()
+  compiled = step.lower(state, data).compile(compiler_options=compiler_options)
   return compiled, state, data, time.perf_counter() - start
 
 
