@@ -164,7 +164,12 @@ def main():
   parser.add_argument("--early_exit_workdir", default="")
   parser.add_argument("--compare_prefix_parts", default="",
                       help="e.g. 1,4: A/B of model.CACHE_PREFIX_PARTS instead of the table")
+  parser.add_argument("--cpu_devices", type=int, default=0,
+                      help="split the CPU into this many devices (decode.py --cpu_devices); "
+                           "each batch is sharded over them. 0: JAX's default (one)")
   args = parser.parse_args()
+  if args.cpu_devices:
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   if args.compare_prefix_parts:
     compare_cache_prefix_parts(args.shapes.split(","),
                                [int(p) for p in args.compare_prefix_parts.split(",")],
@@ -174,7 +179,8 @@ def main():
   for shape in args.shapes.split(","):
     for method, beams in (("greedy", 1), ("beam", 4)):
       rows.append(bench(shape, method, beams, args.repeats))
-  print(f"\n{common.machine_load()}; jax {jax.__version__}, {jax.devices()[0].platform}; "
+  print(f"\n{common.machine_load()}; jax {jax.__version__}, {len(jax.devices())} "
+        f"{jax.devices()[0].platform} device(s); "
         f"{NUM_SENTENCES} sentences x {SRC_LEN} source tokens -> {GEN_LEN} tokens")
   print("\n| shape | method | sentences/s | generated tokens/s | batch time (s) | "
         "matmuls alone (s) | batch / matmuls | compile (s) |")

@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from jax.sharding import NamedSharding, PartitionSpec
+
 from benchmarks import common
-from transformer import training
+from transformer import parallel, training
 
 
 def optimizer_config(warmup_steps=4000):
@@ -49,15 +51,20 @@ def make_batch(config, batch, src_len, tgt_len):
 
 def compile_train_step(name, dropout, compiler_options=None):
   """train.py's step for shape `name`, compiled (with XLA `compiler_options` if
-  given): -> (compiled, initial state, batch, seconds to compile).
-  `compiled(state, batch)` -> (state, metrics); the state is donated."""
+  given) as train.py compiles it: data-parallel over every device (the batch
+  sharded, the state replicated): -> (compiled, initial state, batch, seconds
+  to compile). `compiled(state, batch)` -> (state, metrics); the state is donated."""
   config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
   optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
-  state = training.create_train_state(config, optimizer, seed=0)
+  mesh = parallel.make_mesh()
+  replicated = parallel.replicated(mesh)
+  batch_sharding = NamedSharding(mesh, PartitionSpec(None, parallel.DATA_AXIS))
+  state = jax.device_put(training.create_train_state(config, optimizer, seed=0), replicated)
   step = jax.jit(lambda s, b: training.train_step(
       s, b, model_config=config, optimizer=optimizer, schedule=schedule,
-      label_smoothing=0.1), donate_argnums=0)
-  data = make_batch(config, batch, src_len, tgt_len)
+      label_smoothing=0.1), in_shardings=(replicated, batch_sharding),
+      out_shardings=(replicated, replicated), donate_argnums=0)
+  data = jax.device_put(make_batch(config, batch, src_len, tgt_len), batch_sharding)
   start = time.perf_counter()
   compiled = step.lower(state, data).compile(compiler_options=compiler_options)
   return compiled, state, data, time.perf_counter() - start
@@ -105,9 +112,15 @@ def main():
   parser.add_argument("--dropout", type=float, default=0.1)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--json", default="")
+  parser.add_argument("--cpu_devices", type=int, default=0,
+                      help="split the CPU into this many devices (train.py "
+                           "--cpu_devices): data parallel over them. 0: JAX's default (one)")
   args = parser.parse_args()
+  if args.cpu_devices:
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   rows = [bench_shape(s, args.dropout, args.repeats) for s in args.shapes.split(",")]
-  print(f"\n{common.machine_load()}; jax {jax.__version__}, {jax.devices()[0].platform}; "
+  print(f"\n{common.machine_load()}; jax {jax.__version__}, {len(jax.devices())} "
+        f"{jax.devices()[0].platform} device(s); "
         f"medians of {args.repeats} rounds")
   print("\n| shape | dropout | step (s) | target tokens/s | GFLOP/step | GFLOP/s | peak GFLOP/s "
         "| MFU | matmuls alone (s) | their MFU | step / matmuls | compile (s) |")

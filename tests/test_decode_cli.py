@@ -112,9 +112,11 @@ def runs(workdir, env, tmp_path_factory):
   def beam_then_stdin():
     beam = run_decode(env, f"--workdir={workdir}", f"--input={infile}", f"--output={out}",
                       "--beam_size=4", "--batch_size=2", f"--plot_attention={plots}")
-    # The same lines reversed, through stdin -> stdout, 2-best, the step by number.
+    # The same lines reversed, through stdin -> stdout, 2-best, the step by
+    # number, each batch split over two CPU devices.
     n_best = run_decode(env, f"--workdir={workdir}", "--batch_size=2", "--n_best=2",
-                        f"--checkpoint={TRAIN_STEPS}", stdin=reversed_stdin)
+                        f"--checkpoint={TRAIN_STEPS}", "--cpu_devices=2",
+                        stdin=reversed_stdin)
     return beam, n_best
 
   def greedy_then_sample():
@@ -188,8 +190,11 @@ def test_order_kept_stdin_stdout_and_n_best(runs):
     fields = line.split("\t")
     assert len(fields) == 2, line
     best.append(fields[0])
-  # Reversed input -> reversed output; the best of 2 is the 1-best of the same beam.
+  # Reversed input -> reversed output; the best of 2 is the 1-best of the same
+  # beam, on two devices as on one.
   assert best == beam[::-1]
+  assert n_best.stderr_text.rstrip().endswith("on 2 devices"), n_best.stderr_text[-300:]
+  assert "devices" not in runs["beam"].stderr_text.splitlines()[-1]
 
 
 def test_sample_top_k_1_is_greedy(runs):
@@ -281,6 +286,7 @@ def test_unknown_checkpoint(workdir, env):
     (["--top_p=1.5"], "--top_p=1.5"),
     (["--method=viterbi"], "--method=viterbi"),
     (["--checkpoint=best"], "--checkpoint=best"),
+    (["--cpu_devices=-1"], "--cpu_devices=-1"),
     ([], "--workdir"),
 ])
 def test_bad_flag_values_name_the_flag(workdir, env, flags, needle):

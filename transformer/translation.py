@@ -236,6 +236,7 @@ class Translator:
     self.last_stats = {"sentences": len(sentences), "decoded": len(todo),
                        "truncated": truncated, "generated_tokens": generated,
                        "seconds": elapsed, "compile_seconds": compile_seconds,
+                       "devices": devices,
                        "tokens_per_second":
                            generated / max(elapsed - compile_seconds, 1e-9)}
     if n_best == 1:
