@@ -1,0 +1,94 @@
+"""transformer.prng: Threefry bits and dropout masks equal JAX's / Flax's own."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer import model, prng
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (4, 33, 17), (2, 1, 3, 1)])
+@pytest.mark.parametrize("seed", [0, 1, 123456789])
+def test_threefry_bits_equal_jax_random_bits(shape, seed):
+  key = jax.random.key(seed)
+  ours = jax.jit(prng.threefry_random_bits, static_argnums=1)(key, shape)
+  np.testing.assert_array_equal(ours, jax.random.bits(key, shape, jnp.uint32))
+
+
+def test_threefry_bits_accept_raw_uint32_keys():
+  raw = jax.random.PRNGKey(5)
+  np.testing.assert_array_equal(prng.threefry_random_bits(raw, (9, 4)),
+                                jax.random.bits(raw, (9, 4), jnp.uint32))
+
+
+def test_threefry_known_answer():
+  """The Threefry-2x32 (20 rounds) test vector of Salmon et al.'s Random123,
+  also in JAX's own tests: key (0x13198a2e, 0x03707344), counter
+  (0x243f6a88, 0x85a308d3) -> (0xc4923a9c, 0x483df7a0)."""
+  u32 = lambda v: jnp.asarray(np.uint32(v))
+  x0, x1 = prng._threefry_2x32(u32(0x13198A2E), u32(0x03707344),
+                                u32(0x243F6A88), u32(0x85A308D3))
+  assert (int(x0), int(x1)) == (0xC4923A9C, 0x483DF7A0)
+
+
+@pytest.mark.parametrize("p", [0.0, 1e-7, 0.1, 0.5, 0.9, 0.999, 1.0])
+def test_bernoulli_equals_jax_random_bernoulli(p):
+  for seed in range(3):
+    key = jax.random.key(seed)
+    np.testing.assert_array_equal(prng.bernoulli(key, p, (16, 24, 32)),
+                                  jax.random.bernoulli(key, p, (16, 24, 32)))
+
+
+def test_bernoulli_keep_fraction():
+  keep = np.asarray(prng.bernoulli(jax.random.key(0), 0.9, (512, 512)))
+  # 262144 draws: the standard deviation of the mean is 0.0006
+  assert abs(keep.mean() - 0.9) < 0.003
+
+
+def test_other_prng_implementations_fall_back_to_jax():
+  key = jax.random.key(3, impl="rbg")
+  np.testing.assert_array_equal(prng.bernoulli(key, 0.7, (8, 8)),
+                                jax.random.bernoulli(key, 0.7, (8, 8)))
+
+
+def test_dropout_module_equals_flax_dropout():
+  """model.Dropout inside a module draws the same mask as flax.linen.Dropout
+  would in its place (same name, same "dropout" RNG stream)."""
+  class Ours(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return model.Dropout(0.3, deterministic=False)(x)
+
+  class Flax(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dropout(0.3, deterministic=False)(x)
+
+  x = jax.random.normal(jax.random.key(1), (6, 10, 32))
+  rngs = {"dropout": jax.random.key(2)}
+  ours = Ours().apply({}, x, rngs=rngs)
+  np.testing.assert_array_equal(ours, Flax().apply({}, x, rngs=rngs))
+  kept = np.asarray(ours) != 0
+  np.testing.assert_allclose(np.asarray(ours)[kept], np.asarray(x)[kept] / 0.7, rtol=1e-6)
+  np.testing.assert_array_equal(model.Dropout(0.3, deterministic=True).apply({}, x), x)
+
+
+def test_dropout_gradient_is_the_mask_over_keep_prob():
+  key = jax.random.key(4)
+  x = jnp.ones((64, 64))
+  grad = jax.grad(lambda x: jnp.sum(prng.dropout(x, 0.25, key)))(x)
+  keep = np.asarray(jax.random.bernoulli(key, 0.75, (64, 64)))
+  np.testing.assert_allclose(grad, np.where(keep, 1 / 0.75, 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.75, 1 / 3])
+def test_uniform_below_at_the_threshold(p):
+  """Mantissas on both sides of the cut, against JAX's float formula in numpy:
+  u = float32(1 + m / 2^23) - 1, kept when u < float32(p)."""
+  centre = int(np.float32(p) * 2 ** 23)
+  mantissas = np.arange(centre - 3, centre + 4, dtype=np.uint32)
+  bits = (mantissas << 9) | np.uint32(0x1FF)  # the low 9 bits must not matter
+  u = (((mantissas | np.uint32(0x3F800000)).view(np.float32)) - np.float32(1.0))
+  np.testing.assert_array_equal(prng._uniform_below(jnp.asarray(bits), p), u < np.float32(p))
