@@ -570,3 +570,18 @@ def test_cache_attention_reads_a_prefix_yet_equals_attention_over_written_positi
           want = np_attention(query[b, h, q][None], keys, values)[0]
           np.testing.assert_allclose(got[b, h, q], want, atol=1e-5,
                                      err_msg=f"written={written} b={b} h={h} beam={q}")
+
+
+def test_tied_output_projection_gradients_match_numpy():
+  """The custom VJP of y E^T against the matrix-calculus gradients in numpy:
+  d/dy <g, y E^T> = g E and d/dE <g, y E^T> = g^T y (over all positions)."""
+  rng = np.random.default_rng(0)
+  y = rng.standard_normal((3, 5, 8)).astype(np.float32)
+  embedding = rng.standard_normal((11, 8)).astype(np.float32)
+  g = rng.standard_normal((3, 5, 11)).astype(np.float32)
+  logits, vjp = jax.vjp(M.tied_output_projection, jnp.asarray(y), jnp.asarray(embedding))
+  np.testing.assert_allclose(logits, y @ embedding.T, rtol=1e-5, atol=1e-5)
+  d_y, d_embedding = vjp(jnp.asarray(g))
+  np.testing.assert_allclose(d_y, g @ embedding, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(d_embedding, g.reshape(-1, 11).T @ y.reshape(-1, 8),
+                             rtol=1e-5, atol=1e-5)
