@@ -8,7 +8,9 @@ Runs the computation once under `jax.profiler.trace` (a Perfetto trace, read
 back here) and prints the op time of each XLA op, labelled with its shape and
 the model code it comes from (the `op_name` of the compiled HLO), then totals
 per kind of op. Op times can add up to more than the wall time: ops run on both
-cores at once.
+cores at once. The closing timeline says how much of the wall time had a
+matmul running, only other ops, or nothing (dispatch gaps), and which kinds
+of op cost time no matmul hides.
 """
 
 from __future__ import annotations
@@ -96,10 +98,13 @@ def main():
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   op_time, calls = collections.Counter(), collections.Counter()
+  intervals = []  # (start ms, end ms, op name)
   for event in events:
     if event.get("ph") == "X" and event["name"] in labels:
       op_time[event["name"]] += event.get("dur", 0) / 1e3
       calls[event["name"]] += 1
+      start = event["ts"] / 1e3
+      intervals.append((start, start + event.get("dur", 0) / 1e3, event["name"]))
   total = sum(op_time.values())
   print(f"{args.what} {args.shape}{' ' + args.method if args.what == 'decode' else ''}: "
         f"wall {wall * 1e3:.0f} ms (profiled), op time {total:.0f} ms; {common.machine_load()}")
@@ -116,6 +121,41 @@ def main():
   print("\nby kind:")
   for kind, ms in kinds.most_common(12):
     print(f"{ms:8.1f} {ms / total:5.1%}  {kind}")
+  print_timeline(intervals, labels)
+
+
+def _merged(spans):
+  """Sorted, non-overlapping union of (start, end) spans."""
+  merged = []
+  for start, end in sorted(spans):
+    if merged and start <= merged[-1][1]:
+      merged[-1][1] = max(merged[-1][1], end)
+    else:
+      merged.append([start, end])
+  return merged
+
+
+def print_timeline(intervals, labels):
+  """The wall-clock view: ops run on both cores at once, so op times overstate
+  what each kind costs. Splits the step's span into time with a matmul running,
+  time with only other ops running, and idle gaps between ops (dispatch), and
+  charges each non-matmul kind only for its time not under a matmul."""
+  is_matmul = lambda name: kind_of(name, labels[name][1]) == "matmul"
+  span = max(e for _, e, _ in intervals) - min(s for s, _, _ in intervals)
+  busy = sum(e - s for s, e in _merged([(s, e) for s, e, _ in intervals]))
+  matmul = _merged([(s, e) for s, e, n in intervals if is_matmul(n)])
+  matmul_ms = sum(e - s for s, e in matmul)
+  print(f"\ntimeline: span {span:.0f} ms = a matmul running {matmul_ms:.0f} "
+        f"+ only other ops {busy - matmul_ms:.0f} + idle {span - busy:.0f}")
+  exposed = collections.Counter()
+  for start, end, name in intervals:
+    if is_matmul(name):
+      continue
+    under = sum(max(0.0, min(end, e) - max(start, s)) for s, e in matmul
+                if s < end and e > start)
+    exposed[kind_of(name, labels[name][1])] += max(0.0, end - start - under)
+  print("not under a matmul, by kind (ms):",
+        ", ".join(f"{kind} {ms:.1f}" for kind, ms in exposed.most_common(8)))
 
 
 if __name__ == "__main__":
