@@ -5,9 +5,10 @@ Read top to bottom, this file is the paper's Section 3:
   TransformerConfig             the hyper-parameters, with the paper's names (Table 3)
   sinusoidal_positional_encoding  Section 3.5
   scaled_dot_product_attention  Section 3.2.1, Equation (1)
+  tied_output_projection        Section 3.4: y E^T, the pre-softmax projection
   MultiHeadAttention            Section 3.2.2
   FeedForward                   Section 3.3, Equation (2)
-  ResidualNorm                  Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x)))
+  Dropout, ResidualNorm         Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x)))
   Embeddings                    Section 3.4: shared embedding, scaled by sqrt(d_model)
   EncoderLayer, Encoder         Section 3.1, left half of Figure 1
   DecoderLayer, Decoder         Section 3.1, right half of Figure 1
