@@ -16,7 +16,7 @@ equals `jax.random.bernoulli(key, p, shape)` (JAX's default partitionable
 Threefry: the counter of an element is its flat index), so a model with these
 masks trains exactly like one using `flax.linen.Dropout`
 (tests/test_prng.py checks both). Keys of other PRNG implementations, and
-arrays of 2^32 elements or more, go to `jax.random.bernoulli` itself.
+arrays of 2^32 elements or more, take their bits from `jax.random.bits` itself.
 """
 
 from __future__ import annotations
@@ -78,9 +78,8 @@ def threefry_random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def bernoulli(key: jax.Array, p: float, shape: tuple[int, ...]) -> jax.Array:
   """bool `shape`, True with probability `p`; equal to
-  `jax.random.bernoulli(key, p, shape)`."""
-  if _threefry_key_words(key) is None or math.prod(shape) >= 2 ** 32:
-    return jax.random.bernoulli(key, p, shape)
+  `jax.random.bernoulli(key, p, shape)` (which is `uniform(bits) < p` for
+  every key implementation, so other keys only change where the bits come from)."""
   return _uniform_below(threefry_random_bits(key, shape), p)
 
 

@@ -210,8 +210,8 @@ class Translator:
           for c in range(copies):
             inputs[r * copies + c, :len(encoded[i])] = encoded[i]
         rng, step_rng = jax.random.split(rng)
-        args = (self.params, self.logits_kernel, inputs, step_rng, float(length_penalty), float(temperature),
-                float(top_p), int(min_len))
+        args = (self.params, self.logits_kernel, inputs, step_rng, float(length_penalty),
+                float(temperature), float(top_p), int(min_len))
         key = (method, rows, src_len, out_len, beam_size, top_k, early_exit)
         if key not in self._executables:  # compiled once per shape, timed apart
           compile_start = time.perf_counter()
