@@ -585,3 +585,39 @@ def test_tied_output_projection_gradients_match_numpy():
   np.testing.assert_allclose(d_y, g @ embedding, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(d_embedding, g.reshape(-1, 11).T @ y.reshape(-1, 8),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("features,in_dims,x_shape", [
+    ((4, 8), 1, (2, 5, 24)),   # W^Q / W^K / W^V: [d_model, heads, d_k]
+    (24, 2, (2, 5, 4, 8)),     # W^O: [heads, d_v, d_model]
+    (7, 1, (6, 12)),           # a plain matrix, e.g. the FFN's W_1
+])
+def test_dense_is_flax_dense_general_and_its_gradients_match_numpy(features, in_dims, x_shape):
+  """`Dense` keeps `nn.DenseGeneral`'s parameters (names, shapes, the same
+  initial values from the same key), so checkpoints carry over; its output
+  and gradients are the matrix-calculus ones, in float64 numpy."""
+  import flax.linen as nn
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  ours = M.Dense(features, in_dims=in_dims, bias_init=nn.initializers.normal(1.0))
+  axis = tuple(range(-in_dims, 0)) if in_dims > 1 else -1
+  flax_dense = nn.DenseGeneral(features, axis=axis, kernel_init=nn.initializers.xavier_uniform(),
+                               bias_init=nn.initializers.normal(1.0))
+  params = ours.init(jax.random.key(2), x)
+  reference_params = flax_dense.init(jax.random.key(2), x)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params, reference_params)
+
+  kernel = np.asarray(params["params"]["kernel"], np.float64)
+  bias = np.asarray(params["params"]["bias"], np.float64)
+  fan_in = int(np.prod(x_shape[len(x_shape) - in_dims:]))
+  x2 = np.asarray(x, np.float64).reshape(-1, fan_in)
+  w2, b2 = kernel.reshape(fan_in, -1), bias.reshape(-1)
+  out, vjp = jax.vjp(lambda p, x: ours.apply(p, x), params, x)
+  np.testing.assert_allclose(np.asarray(out).reshape(len(x2), -1), x2 @ w2 + b2, rtol=1e-5, atol=1e-5)
+  g = np.random.default_rng(3).standard_normal(out.shape)
+  d_params, d_x = vjp(jnp.asarray(g, jnp.float32))
+  g2 = g.reshape(len(x2), -1)
+  np.testing.assert_allclose(np.asarray(d_x).reshape(x2.shape), g2 @ w2.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(d_params["params"]["kernel"]).reshape(w2.shape),
+                             x2.T @ g2, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(d_params["params"]["bias"]).reshape(-1),
+                             g2.sum(0), rtol=1e-5, atol=1e-5)

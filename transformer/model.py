@@ -6,6 +6,7 @@ Read top to bottom, this file is the paper's Section 3:
   sinusoidal_positional_encoding  Section 3.5
   scaled_dot_product_attention  Section 3.2.1, Equation (1)
   tied_output_projection        Section 3.4: y E^T, the pre-softmax projection
+  Dense                         x W + b (the projections), as one 2-D matrix product
   MultiHeadAttention            Section 3.2.2
   FeedForward                   Section 3.3, Equation (2)
   Dropout, ResidualNorm         Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x)))
@@ -271,8 +272,11 @@ def _tied_output_projection_fwd(y, embedding):
 
 def _tied_output_projection_bwd(residuals, g):
   y, embedding = residuals
-  d_y = jnp.einsum("...v,vd->...d", g, embedding)
-  d_embedding_t = jnp.einsum("...d,...v->dv", y, g)  # [d_model, vocab]
+  # As 2-D products: contracting [batch, length] at once would first copy y
+  # transposed (see `Dense`).
+  y2, g2 = y.reshape(-1, y.shape[-1]), g.reshape(-1, g.shape[-1])
+  d_y = jnp.dot(g2, embedding).reshape(y.shape)
+  d_embedding_t = jnp.dot(y2.T, g2)  # [d_model, vocab]
   # The barrier keeps XLA from rewriting transpose(y^T g) back into g^T y.
   return d_y, jax.lax.optimization_barrier(d_embedding_t).T
 
@@ -285,11 +289,50 @@ tied_output_projection.defvjp(_tied_output_projection_fwd, _tied_output_projecti
 # ----------------------------------------------------------------------------
 
 
-def _dense(config: TransformerConfig, features, axis=-1, name=None) -> nn.DenseGeneral:
-  return nn.DenseGeneral(
-      features=features, axis=axis, dtype=config.compute_dtype,
-      param_dtype=config.params_dtype, kernel_init=nn.initializers.xavier_uniform(),
-      bias_init=nn.initializers.zeros, name=name)
+class Dense(nn.Module):
+  """y = x W + b, contracting the last `in_dims` axes of x with the first of W.
+
+  `flax.linen.DenseGeneral`'s parameters (names, shapes, initialisation: the
+  kernel is initialised as a `[prod(in), prod(features)]` matrix and reshaped),
+  computed as one matrix product of x flattened to `[tokens, prod(in)]` with W
+  flattened to `[prod(in), prod(features)]`. Why: for a multi-axis kernel such
+  as W^Q `[d_model, heads, d_k]`, the gradients dx = dy W^T and dW = x^T dy
+  contract several axes at once, and XLA first copies W, dy or x transposed
+  to bring them to matrix form; as 2-D products they need no copy (on CPU
+  the base model's training step had ~200 such copies).
+
+  Shapes: x `[..., *in]` -> `[..., *features]`, where `in` = x.shape[-in_dims:].
+  """
+
+  features: int | tuple[int, ...]
+  in_dims: int = 1
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.xavier_uniform()
+  bias_init: Callable = nn.initializers.zeros
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    in_shape = x.shape[x.ndim - self.in_dims:]
+    fan_in, fan_out = math.prod(in_shape), math.prod(features)
+    kernel = self.param(
+        "kernel", lambda rng, shape, dtype: self.kernel_init(
+            rng, (fan_in, fan_out), dtype).reshape(shape),
+        in_shape + features, self.param_dtype)
+    bias = self.param(
+        "bias", lambda rng, shape, dtype: self.bias_init(
+            rng, (fan_out,), dtype).reshape(shape),
+        features, self.param_dtype)
+    flat = x.reshape(-1, fan_in).astype(self.dtype)
+    y = jnp.dot(flat, kernel.reshape(fan_in, fan_out).astype(self.dtype))
+    y = y + bias.reshape(fan_out).astype(self.dtype)
+    return y.reshape(x.shape[:x.ndim - self.in_dims] + features)
+
+
+def _dense(config: TransformerConfig, features, in_dims=1, name=None) -> Dense:
+  return Dense(features=features, in_dims=in_dims, dtype=config.compute_dtype,
+               param_dtype=config.params_dtype, name=name)
 
 
 def _layer_norm(config: TransformerConfig, name=None) -> nn.LayerNorm:
@@ -318,7 +361,7 @@ class MultiHeadAttention(nn.Module):
     self.query = _dense(cfg, heads)
     self.key = _dense(cfg, heads)
     self.value = _dense(cfg, heads)
-    self.out = _dense(cfg, cfg.d_model, axis=(-2, -1))
+    self.out = _dense(cfg, cfg.d_model, in_dims=2)
 
   def project_key_value(self, inputs_kv: Array) -> tuple[Array, Array]:
     """`[batch, kv_length, d_model]` -> keys, values `[batch, kv_length, heads, d_k]`."""
