@@ -207,12 +207,18 @@ def machine_load() -> str:
 
 
 def _dot_generals(jaxpr, found: list, repeat: int = 1) -> None:
-  """Appends (lhs aval, rhs aval, dimension_numbers) of every dot_general in
-  `jaxpr` and its sub-jaxprs (a scan body's dots once per iteration)."""
+  """Appends (lhs aval, rhs aval, dimension_numbers) of every matrix-matrix
+  dot_general in `jaxpr` and its sub-jaxprs (a scan body's dots once per
+  iteration). Matrix-vector products (an operand with no free dimension, such
+  as the row sums of `model.layer_norm`'s gradient) are reductions written as
+  dots, not model FLOPs: left out."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       lhs, rhs = (v.aval for v in eqn.invars)
-      found.extend([(lhs, rhs, eqn.params["dimension_numbers"])] * repeat)
+      numbers = eqn.params["dimension_numbers"]
+      if _free_size(lhs.shape, numbers[0][0], numbers[1][0]) > 1 < _free_size(
+          rhs.shape, numbers[0][1], numbers[1][1]):
+        found.extend([(lhs, rhs, numbers)] * repeat)
     times = repeat * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else (param,):
@@ -220,6 +226,10 @@ def _dot_generals(jaxpr, found: list, repeat: int = 1) -> None:
           _dot_generals(sub.jaxpr, found, times)
         elif isinstance(sub, jax_core.Jaxpr):
           _dot_generals(sub, found, times)
+
+
+def _free_size(shape, contracting, batch) -> int:
+  return math.prod(n for i, n in enumerate(shape) if i not in contracting and i not in batch)
 
 
 def dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:

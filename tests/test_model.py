@@ -621,3 +621,32 @@ def test_dense_is_flax_dense_general_and_its_gradients_match_numpy(features, in_
                              x2.T @ g2, rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(np.asarray(d_params["params"]["bias"]).reshape(-1),
                              g2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_matches_numpy_and_its_gradients_match_autodiff():
+  """`layer_norm`'s forward against float64 numpy, its hand-written VJP against
+  JAX's autodiff of the textbook formula, and `LayerNorm`'s parameters against
+  `flax.linen.LayerNorm`'s (same names, shapes and initial values)."""
+  import flax.linen as nn
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((3, 5, 16)).astype(np.float32) * 3 + 1
+  scale = rng.standard_normal(16).astype(np.float32)
+  bias = rng.standard_normal(16).astype(np.float32)
+  eps = 1e-6
+  x64 = x.astype(np.float64)
+  x_hat = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + eps)
+  out, vjp = jax.vjp(lambda x, s, b: M.layer_norm(x, s, b, eps), x, scale, bias)
+  np.testing.assert_allclose(out, x_hat * scale + bias, rtol=1e-5, atol=1e-5)
+
+  def textbook(x, s, b):
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * s + b
+  g = rng.standard_normal(x.shape).astype(np.float32)
+  _, reference_vjp = jax.vjp(textbook, x, scale, bias)
+  for ours, reference in zip(vjp(g), reference_vjp(g)):
+    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
+
+  params = M.LayerNorm().init(jax.random.key(0), x)
+  jax.tree_util.tree_map(np.testing.assert_array_equal, params,
+                         nn.LayerNorm().init(jax.random.key(0), x))
