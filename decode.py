@@ -488,4 +488,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+  from transformer import host_memory
+  host_memory.keep_freed_memory()  # before any computation: see host_memory.py
   app.run(main)

@@ -104,4 +104,6 @@ def _parse_flags(argv):
 
 
 if __name__ == "__main__":
+  from transformer import host_memory
+  host_memory.keep_freed_memory()  # before any computation: see host_memory.py
   app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_flags)

@@ -15,12 +15,17 @@ Or with sentence pairs held in memory:
     transformer.train(config, "runs/mine", train_pairs=[("hello", "hallo"), ...],
                       eval_pairs=[...])
 
+On Linux, `transformer.keep_freed_memory()` before the first computation
+makes every training step on CPU 10-15% faster (see `transformer.host_memory`;
+train.py and decode.py call it themselves).
+
 The building blocks live in the submodules: `transformer.model` (the Flax
 modules), `transformer.decoding` (greedy, beam search, sampling),
 `transformer.training`, `transformer.data`, `transformer.tokenizer`,
 `transformer.checkpoints`, `transformer.parallel`, `transformer.plotting`.
 """
 
+from transformer.host_memory import keep_freed_memory
 from transformer.model import (MultiHeadAttention, Transformer, TransformerConfig,
                                count_params, init_params, scaled_dot_product_attention,
                                sinusoidal_positional_encoding)
@@ -28,7 +33,7 @@ from transformer.model import (MultiHeadAttention, Transformer, TransformerConfi
 __all__ = [
     "Transformer", "TransformerConfig", "MultiHeadAttention", "count_params",
     "init_params", "scaled_dot_product_attention", "sinusoidal_positional_encoding",
-    "demo_config", "train", "load_translator", "Translator",
+    "demo_config", "train", "load_translator", "Translator", "keep_freed_memory",
 ]
 
 
