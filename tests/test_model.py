@@ -650,3 +650,28 @@ def test_layer_norm_matches_numpy_and_its_gradients_match_autodiff():
   params = M.LayerNorm().init(jax.random.key(0), x)
   jax.tree_util.tree_map(np.testing.assert_array_equal, params,
                          nn.LayerNorm().init(jax.random.key(0), x))
+
+
+@pytest.mark.parametrize("normalization", ["post", "pre"])
+def test_bfloat16_training_gradients_are_float32_and_close(normalization):
+  """Training with bfloat16 compute (configs/wmt14_*.py): every gradient comes
+  back in the parameters' float32 and points where the float32 one does."""
+  cfg = tiny_config(normalization=normalization)
+  params = M.init_params(cfg, jax.random.key(8))
+  src, tgt = random_batch(cfg, np.random.default_rng(13))
+  dec_in = M.shift_right(tgt, cfg.bos_id)
+
+  def gradients(config):
+    def loss(p):
+      logits = M.Transformer(config).apply({"params": p}, src, dec_in)
+      log_p = jax.nn.log_softmax(logits.astype(jnp.float32))
+      return -jnp.mean(jnp.take_along_axis(log_p, tgt[..., None], -1))
+    return jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(params)
+
+  g32, g16 = gradients(cfg), gradients(cfg.replace(dtype="bfloat16"))
+  for leaf in jax.tree_util.tree_leaves(g16):
+    assert leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf)))
+  flat32 = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(g32)])
+  flat16 = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(g16)])
+  cosine = flat32 @ flat16 / (np.linalg.norm(flat32) * np.linalg.norm(flat16))
+  assert cosine > 0.99

@@ -355,24 +355,28 @@ def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float) -> Array:
 
 
 def _layer_norm_fwd(x, scale, bias, epsilon):
-  x = x.astype(jnp.float32)
-  scale, bias = scale.astype(jnp.float32), bias.astype(jnp.float32)
-  centred = x - x.mean(-1, keepdims=True)
+  x32 = x.astype(jnp.float32)
+  centred = x32 - x32.mean(-1, keepdims=True)
   inv_std = jax.lax.rsqrt(jnp.mean(centred * centred, -1, keepdims=True) + epsilon)
   x_hat = centred * inv_std
-  return x_hat * scale + bias, (x_hat, inv_std, scale)
+  y = x_hat * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+  # Empty arrays carry x's and bias's dtypes: each gradient must have its input's.
+  dtypes = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), bias.dtype))
+  return y, (x_hat, inv_std, scale, dtypes)
 
 
 def _layer_norm_bwd(epsilon, residuals, g):
   del epsilon
-  x_hat, inv_std, scale = residuals
-  d = x_hat.shape[-1]
+  x_hat, inv_std, scale, (x_dtype, bias_dtype) = residuals
+  scale32, d = scale.astype(jnp.float32), x_hat.shape[-1]
+  g = g.astype(jnp.float32)
   g_x_hat = g * x_hat
-  mean_gs = jnp.dot(g, scale)[..., None] / d
-  mean_gs_x_hat = jnp.dot(g_x_hat, scale)[..., None] / d
-  dx = inv_std * (g * scale - mean_gs - x_hat * mean_gs_x_hat)
+  mean_gs = jnp.dot(g, scale32)[..., None] / d
+  mean_gs_x_hat = jnp.dot(g_x_hat, scale32)[..., None] / d
+  dx = inv_std * (g * scale32 - mean_gs - x_hat * mean_gs_x_hat)
   positions = tuple(range(g.ndim - 1))
-  return dx, g_x_hat.sum(positions), g.sum(positions)
+  return (dx.astype(x_dtype.dtype), g_x_hat.sum(positions).astype(scale.dtype),
+          g.sum(positions).astype(bias_dtype.dtype))
 
 
 layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
