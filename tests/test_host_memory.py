@@ -17,9 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # size glibc ever serves from its heap by default (32 MB), so without the
 # settings every call maps the buffer afresh. (XLA frees the buffer just after
 # the result is ready, so a call can still find it not yet freed and take a
-# new block: the test asks for half the faults or fewer, not none.)
+# new block; a pause between calls makes that rare, and the test asks for half
+# the faults or fewer, not none.)
 _PROBE = """
-import resource, sys
+import resource, sys, time
 from transformer import host_memory
 applied = host_memory.keep_freed_memory() if sys.argv[1] == "on" else False
 import jax, jax.numpy as jnp
@@ -30,6 +31,7 @@ for call in range(20):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   jax.block_until_ready(f(x, w))
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+  time.sleep(0.02)  # let XLA free the call's buffer before the next call asks
 print(applied, *faults[12:])
 """
 
