@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from transformer import model as model_lib
+from transformer import kv_cache, model as model_lib
 from transformer.translation import Translator
 
 NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
@@ -129,22 +129,22 @@ def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
 
 
 def compare_cache_prefix_parts(shapes, parts_list, repeats: int) -> None:
-  """A/B of `model.CACHE_PREFIX_PARTS` (how many static cache prefixes a
+  """A/B of `kv_cache.CACHE_PREFIX_PARTS` (how many static cache prefixes a
   decoding step chooses from; 1 = always the whole cache): every variant is
   compiled, then they run in turn for `repeats` rounds, so each sees the same
   neighbours. Prints median and best seconds per batch and compile times."""
   print("\n| shape | method | prefixes | median (s) | best (s) | compile (s) | same output |")
   print("|---|---|---|---|---|---|---|")
-  default = model_lib.CACHE_PREFIX_PARTS
+  default = kv_cache.CACHE_PREFIX_PARTS
   for shape in shapes:
     for method, beams in (("greedy", 1), ("beam", 4)):
       variants = {}
       for parts in parts_list:
-        model_lib.CACHE_PREFIX_PARTS = parts  # read when the decoder is traced
+        kv_cache.CACHE_PREFIX_PARTS = parts  # read when the decoder is traced
         try:
           variants[parts] = compile_decoder(shape, method, beams)
         finally:
-          model_lib.CACHE_PREFIX_PARTS = default
+          kv_cache.CACHE_PREFIX_PARTS = default
       outputs = {p: np.asarray(c(*a)[0]) for p, (c, a, _) in variants.items()}
       times = {p: [] for p in variants}
       for _ in range(repeats):
@@ -163,7 +163,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--early_exit_workdir", default="")
   parser.add_argument("--compare_prefix_parts", default="",
-                      help="e.g. 1,4: A/B of model.CACHE_PREFIX_PARTS instead of the table")
+                      help="e.g. 1,4: A/B of kv_cache.CACHE_PREFIX_PARTS instead of the table")
   parser.add_argument("--cpu_devices", type=int, default=0,
                       help="split the CPU into this many devices (decode.py --cpu_devices); "
                            "each batch is sharded over them. 0: JAX's default (one)")

@@ -210,7 +210,7 @@ def _dot_generals(jaxpr, found: list, repeat: int = 1) -> None:
   """Appends (lhs aval, rhs aval, dimension_numbers) of every matrix-matrix
   dot_general in `jaxpr` and its sub-jaxprs (a scan body's dots once per
   iteration). Matrix-vector products (an operand with no free dimension, such
-  as the row sums of `model.layer_norm`'s gradient) are reductions written as
+  as the row sums of `layers.layer_norm`'s gradient) are reductions written as
   dots, not model FLOPs: left out."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import model as M
+from transformer import kv_cache, model as M
 
 TINY = dict(vocab_size=40, d_model=32, num_heads=4, d_ff=64,
             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
@@ -285,7 +285,7 @@ def incremental_logits(cfg, params, src, dec_in, beams=1):
       {"params": p}, model.apply({"params": p}, s, method=M.Transformer.encode), s,
       method=M.Transformer.encoder_memory))(params, src)
   flat = jnp.repeat(dec_in, beams, axis=0)
-  cache = M.init_cache(cfg, dec_in.shape[0], dec_in.shape[1], beams)
+  cache = kv_cache.init_cache(cfg, dec_in.shape[0], dec_in.shape[1], beams)
   step = jax.jit(compiler_options=FAST_COMPILE)(lambda t, c: model.apply({"params": params}, t, c, memory,
                                           method=M.Transformer.decode_step))
   outs = []
@@ -539,117 +539,6 @@ def test_bfloat16_incremental_decoding_stays_close_to_float32():
   p32, p16 = jax.nn.softmax(f32), jax.nn.softmax(bf16)
   assert float(jnp.abs(p32 - p16).max()) < 0.05
   assert (jnp.argmax(f32, -1) == jnp.argmax(bf16, -1)).mean() > 0.9
-
-
-@pytest.mark.parametrize("length", [7, 8])
-def test_cache_attention_reads_a_prefix_yet_equals_attention_over_written_positions(length):
-  """The decoder step reads only the shortest of four static cache prefixes
-  that holds the written positions: for every number written (1..length, with
-  a length that 4 does not divide too), each beam's attention over the slots
-  its mask allows equals float64 numpy attention over exactly those positions,
-  whatever garbage the unwritten positions hold."""
-  rng = np.random.default_rng(3)
-  batch, heads, beams, d = 2, 2, 3, 4
-  query = rng.normal(size=(batch, heads, beams, d))
-  key = rng.normal(size=(batch, heads, beams, d, length))
-  value = rng.normal(size=(batch, heads, beams * length, d))
-  slot_of = rng.integers(0, beams, size=(batch, beams, length))  # an ancestry table
-  attend = jax.jit(M._attend_cache_prefix)
-  for written in range(1, length + 1):
-    visible = (slot_of[:, :, None, :] == np.arange(beams)[None, None, :, None]) & (
-        np.arange(length) < written)  # [batch, beam, slot, t]
-    scaled = query / np.sqrt(d)  # the step scales queries by 1/sqrt(d_k) before
-    got = np.asarray(attend(*(jnp.asarray(x, jnp.float32) for x in (scaled, key, value)),
-                            jnp.asarray(visible[:, None]), jnp.int32(written)))
-    for b in range(batch):
-      for h in range(heads):
-        for q in range(beams):
-          slots, ts = np.nonzero(visible[b, q])
-          keys = key[b, h, slots, :, ts]                  # [visible, d]
-          values = value[b, h, slots * length + ts]       # [visible, d]
-          want = np_attention(query[b, h, q][None], keys, values)[0]
-          np.testing.assert_allclose(got[b, h, q], want, atol=1e-5,
-                                     err_msg=f"written={written} b={b} h={h} beam={q}")
-
-
-def test_tied_output_projection_gradients_match_numpy():
-  """The custom VJP of y E^T against the matrix-calculus gradients in numpy:
-  d/dy <g, y E^T> = g E and d/dE <g, y E^T> = g^T y (over all positions)."""
-  rng = np.random.default_rng(0)
-  y = rng.standard_normal((3, 5, 8)).astype(np.float32)
-  embedding = rng.standard_normal((11, 8)).astype(np.float32)
-  g = rng.standard_normal((3, 5, 11)).astype(np.float32)
-  logits, vjp = jax.vjp(M.tied_output_projection, jnp.asarray(y), jnp.asarray(embedding))
-  np.testing.assert_allclose(logits, y @ embedding.T, rtol=1e-5, atol=1e-5)
-  d_y, d_embedding = vjp(jnp.asarray(g))
-  np.testing.assert_allclose(d_y, g @ embedding, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(d_embedding, g.reshape(-1, 11).T @ y.reshape(-1, 8),
-                             rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("features,in_dims,x_shape", [
-    ((4, 8), 1, (2, 5, 24)),   # W^Q / W^K / W^V: [d_model, heads, d_k]
-    (24, 2, (2, 5, 4, 8)),     # W^O: [heads, d_v, d_model]
-    (7, 1, (6, 12)),           # a plain matrix, e.g. the FFN's W_1
-])
-def test_dense_is_flax_dense_general_and_its_gradients_match_numpy(features, in_dims, x_shape):
-  """`Dense` keeps `nn.DenseGeneral`'s parameters (names, shapes, the same
-  initial values from the same key), so checkpoints carry over; its output
-  and gradients are the matrix-calculus ones, in float64 numpy."""
-  import flax.linen as nn
-  x = jax.random.normal(jax.random.key(1), x_shape)
-  ours = M.Dense(features, in_dims=in_dims, bias_init=nn.initializers.normal(1.0))
-  axis = tuple(range(-in_dims, 0)) if in_dims > 1 else -1
-  flax_dense = nn.DenseGeneral(features, axis=axis, kernel_init=nn.initializers.xavier_uniform(),
-                               bias_init=nn.initializers.normal(1.0))
-  params = ours.init(jax.random.key(2), x)
-  reference_params = flax_dense.init(jax.random.key(2), x)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, params, reference_params)
-
-  kernel = np.asarray(params["params"]["kernel"], np.float64)
-  bias = np.asarray(params["params"]["bias"], np.float64)
-  fan_in = int(np.prod(x_shape[len(x_shape) - in_dims:]))
-  x2 = np.asarray(x, np.float64).reshape(-1, fan_in)
-  w2, b2 = kernel.reshape(fan_in, -1), bias.reshape(-1)
-  out, vjp = jax.vjp(lambda p, x: ours.apply(p, x), params, x)
-  np.testing.assert_allclose(np.asarray(out).reshape(len(x2), -1), x2 @ w2 + b2, rtol=1e-5, atol=1e-5)
-  g = np.random.default_rng(3).standard_normal(out.shape)
-  d_params, d_x = vjp(jnp.asarray(g, jnp.float32))
-  g2 = g.reshape(len(x2), -1)
-  np.testing.assert_allclose(np.asarray(d_x).reshape(x2.shape), g2 @ w2.T, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(d_params["params"]["kernel"]).reshape(w2.shape),
-                             x2.T @ g2, rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(d_params["params"]["bias"]).reshape(-1),
-                             g2.sum(0), rtol=1e-5, atol=1e-5)
-
-
-def test_layer_norm_matches_numpy_and_its_gradients_match_autodiff():
-  """`layer_norm`'s forward against float64 numpy, its hand-written VJP against
-  JAX's autodiff of the textbook formula, and `LayerNorm`'s parameters against
-  `flax.linen.LayerNorm`'s (same names, shapes and initial values)."""
-  import flax.linen as nn
-  rng = np.random.default_rng(0)
-  x = rng.standard_normal((3, 5, 16)).astype(np.float32) * 3 + 1
-  scale = rng.standard_normal(16).astype(np.float32)
-  bias = rng.standard_normal(16).astype(np.float32)
-  eps = 1e-6
-  x64 = x.astype(np.float64)
-  x_hat = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + eps)
-  out, vjp = jax.vjp(lambda x, s, b: M.layer_norm(x, s, b, eps), x, scale, bias)
-  np.testing.assert_allclose(out, x_hat * scale + bias, rtol=1e-5, atol=1e-5)
-
-  def textbook(x, s, b):
-    mean = jnp.mean(x, -1, keepdims=True)
-    var = jnp.mean((x - mean) ** 2, -1, keepdims=True)
-    return (x - mean) / jnp.sqrt(var + eps) * s + b
-  g = rng.standard_normal(x.shape).astype(np.float32)
-  _, reference_vjp = jax.vjp(textbook, x, scale, bias)
-  for ours, reference in zip(vjp(g), reference_vjp(g)):
-    np.testing.assert_allclose(ours, reference, rtol=1e-4, atol=1e-4)
-
-  params = M.LayerNorm().init(jax.random.key(0), x)
-  jax.tree_util.tree_map(np.testing.assert_array_equal, params,
-                         nn.LayerNorm().init(jax.random.key(0), x))
 
 
 @pytest.mark.parametrize("normalization", ["post", "pre"])

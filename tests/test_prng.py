@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import model, prng
+from transformer import layers, prng
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (4, 33, 17), (2, 1, 3, 1)])
@@ -54,12 +54,12 @@ def test_other_prng_implementations_fall_back_to_jax():
 
 
 def test_dropout_module_equals_flax_dropout():
-  """model.Dropout inside a module draws the same mask as flax.linen.Dropout
+  """layers.Dropout inside a module draws the same mask as flax.linen.Dropout
   would in its place (same name, same "dropout" RNG stream)."""
   class Ours(nn.Module):
     @nn.compact
     def __call__(self, x):
-      return model.Dropout(0.3, deterministic=False)(x)
+      return layers.Dropout(0.3, deterministic=False)(x)
 
   class Flax(nn.Module):
     @nn.compact
@@ -72,7 +72,7 @@ def test_dropout_module_equals_flax_dropout():
   np.testing.assert_array_equal(ours, Flax().apply({}, x, rngs=rngs))
   kept = np.asarray(ours) != 0
   np.testing.assert_allclose(np.asarray(ours)[kept], np.asarray(x)[kept] / 0.7, rtol=1e-6)
-  np.testing.assert_array_equal(model.Dropout(0.3, deterministic=True).apply({}, x), x)
+  np.testing.assert_array_equal(layers.Dropout(0.3, deterministic=True).apply({}, x), x)
 
 
 def test_dropout_gradient_is_the_mask_over_keep_prob():

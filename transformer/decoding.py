@@ -22,7 +22,7 @@ search must make the cache follow the hypotheses it keeps, in one of two ways:
   * `reorder_cache(cache, parents [batch, beams]) -> cache`: the model does it
     itself, from a cache it built for `batch * beams` rows. The Transformer
     uses this to keep its keys/values in place and move only a small table of
-    which slot holds which position (`model.reorder_cache`): gathering the
+    which slot holds which position (`kv_cache.reorder_cache`): gathering the
     whole cache at every step costs more memory traffic than the weights.
 
 Either way the flat batch is batch-major: row `b * beam_size + j` is beam j of

@@ -35,7 +35,8 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from transformer import decoding
-from transformer.model import Transformer, TransformerConfig, init_cache, reorder_cache
+from transformer.kv_cache import init_cache, reorder_cache
+from transformer.model import Transformer, TransformerConfig
 from transformer.tokenizer import Tokenizer
 
 METHODS = ("greedy", "beam", "sample")
