@@ -243,7 +243,7 @@ def test_source_padding_is_ignored():
   longer = jnp.pad(src, ((0, 0), (0, 4)), constant_values=cfg.pad_id)
   np.testing.assert_allclose(forward(cfg, params, longer, dec_in), base, atol=1e-5)
   # Change what sits in padded source positions (explicit segment ids mark them).
-  seg = M.segment_ids_from_tokens(src, cfg.pad_id)
+  seg = (src != cfg.pad_id).astype(jnp.int32)
   garbage = jnp.where(seg > 0, src, 17)
   out = forward(cfg, params, garbage, dec_in, inputs_segment_ids=seg)
   np.testing.assert_allclose(out, base, atol=1e-5)

@@ -4,6 +4,7 @@ Read top to bottom, this file is the paper's Section 3:
 
   TransformerConfig               the hyper-parameters, with the paper's names (Table 3)
   sinusoidal_positional_encoding  Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model))
+  attention_mask, shift_right     Section 3.2.3 / 3.1: masking, outputs offset by one
   scaled_dot_product_attention    Section 3.2.1, Equation (1): softmax(Q K^T / sqrt(d_k)) V
   MultiHeadAttention              Section 3.2.2: Concat(head_1, ..., head_h) W^O
   FeedForward                     Section 3.3, Equation (2): max(0, x W_1 + b_1) W_2 + b_2
@@ -12,19 +13,17 @@ Read top to bottom, this file is the paper's Section 3:
   EncoderLayer, Encoder           Section 3.1, the left half of Figure 1
   DecoderLayer, Decoder           Section 3.1, the right half of Figure 1, then the final
                                   linear transformation (Section 3.4)
-  Transformer                     encode / decode / __call__ -> logits (softmax: the loss's)
+  Transformer                     encode / decode / __call__ -> logits (the loss applies softmax)
 
 Shapes: `[batch, length, d_model]` for activations; heads are split as
-`[batch, length, num_heads, head_dim]`.
-
-Masks come from *segment ids*: 0 on padding and 1, 2, 3, ... for the examples
-packed into one row. A query attends to a key only when both belong to the same
-segment and the key is not padding (and, in the decoder, is not in the future).
+`[batch, length, num_heads, head_dim]`. Masks come from *segment ids*: 0 on
+padding and 1, 2, 3, ... for the examples packed into one row; a query attends
+to a key of its own segment that is not padding (nor, in the decoder, in the future).
 
 Two neighbours keep this file about the paper. `layers.py`: the dense layer,
 LayerNorm, dropout and tied output projection, each computing exactly what its
 flax counterpart computes, only faster. `kv_cache.py`: incremental decoding's
-key/value cache, which the `step` methods below hand their arrays to.
+key/value cache, to which the decoding-step methods below hand their arrays.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ from transformer import kv_cache, prng
 from transformer.layers import Dense, Dropout, LayerNorm, tied_output_projection
 
 Array = jax.Array
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
@@ -104,11 +104,8 @@ class TransformerConfig:
 def sinusoidal_positional_encoding(positions: Array, d_model: int) -> Array:
   """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...).
 
-  Args:
-    positions: integer positions, any shape `[...]`.
-    d_model: even model width.
-  Returns:
-    float32 `[..., d_model]`, computed from the positions (no table, so no limit).
+  positions: integers, any shape `[...]`; d_model: even -> float32 `[..., d_model]`,
+  computed from the positions (no table, so no length limit).
   """
   two_i = jnp.arange(0, d_model, 2, dtype=jnp.float32)           # 2i
   inv_timescale = jnp.power(10000.0, -two_i / d_model)           # 1 / 10000^(2i/d)
@@ -118,22 +115,11 @@ def sinusoidal_positional_encoding(positions: Array, d_model: int) -> Array:
   return pe.reshape(*positions.shape, d_model)
 
 
-def segment_ids_from_tokens(tokens: Array, pad_id: int) -> Array:
-  """1 on real tokens, 0 on padding: the segment ids of an unpacked batch."""
-  return (tokens != pad_id).astype(jnp.int32)
-
-
 def attention_mask(query_segment_ids: Array, key_segment_ids: Array,
                    causal: bool = False) -> Array:
-  """Which keys each query may attend to.
-
-  Args:
-    query_segment_ids: `[batch, q_length]`, 0 = padding.
-    key_segment_ids: `[batch, kv_length]`, 0 = padding.
-    causal: also hide keys at later positions (decoder self-attention).
-  Returns:
-    bool `[batch, 1, q_length, kv_length]` (broadcast over heads).
-  """
+  """Which keys each query may attend to: segment ids `[batch, q_length]` and
+  `[batch, kv_length]` (0 = padding) -> bool `[batch, 1, q_length, kv_length]`
+  (broadcast over heads). `causal` also hides later positions (Section 3.2.3)."""
   mask = ((query_segment_ids[:, :, None] == key_segment_ids[:, None, :])
           & (key_segment_ids[:, None, :] > 0))
   if causal:
@@ -164,9 +150,7 @@ def scaled_dot_product_attention(
   """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, Equation (1).
 
   Args:
-    query: `[batch, q_length, heads, d_k]`.
-    key: `[batch, kv_length, heads, d_k]`.
-    value: `[batch, kv_length, heads, d_v]`.
+    query: `[batch, q_length, heads, d_k]`; key, value: `[batch, kv_length, heads, d_k]`.
     mask: bool, broadcastable to `[batch, heads, q_length, kv_length]`; False hides a key.
     dropout_rate, dropout_rng: dropout on the attention weights (training only).
     return_weights: also return the weights (e.g. to plot them).
@@ -200,13 +184,13 @@ def scaled_dot_product_attention(
 
 
 def _dense(config: TransformerConfig, features, in_dims=1, name=None) -> Dense:
-  """x W + b (`layers.Dense`: flax's DenseGeneral, computed as 2-D matmuls)."""
+  """x W + b: flax's DenseGeneral, computed as 2-D matrix products (layers.py)."""
   return Dense(features=features, in_dims=in_dims, dtype=config.compute_dtype,
                param_dtype=config.params_dtype, name=name)
 
 
 def _layer_norm(config: TransformerConfig, name=None) -> LayerNorm:
-  """`layers.LayerNorm`: flax's LayerNorm, with a faster backward pass."""
+  """flax's LayerNorm, with a faster backward pass (layers.py)."""
   return LayerNorm(epsilon=config.layer_norm_epsilon, param_dtype=config.params_dtype,
                    name=name)
 
@@ -217,9 +201,9 @@ class MultiHeadAttention(nn.Module):
 
   The h projections W_i^Q of width d_k are stored together as one
   `[d_model, h, d_k]` kernel (likewise K, V), and W^O as `[h, d_v, d_model]`,
-  so that all heads are computed by one matrix multiplication.
-  Attention weights are sown into the "intermediates" collection as
-  `attention_weights` `[batch, heads, q_length, kv_length]` when it is mutable.
+  so that all heads are computed by one matrix multiplication. Attention
+  weights `[batch, heads, q_length, kv_length]` are sown into "intermediates"
+  as `attention_weights` when that collection is mutable.
   """
 
   config: TransformerConfig
@@ -233,35 +217,31 @@ class MultiHeadAttention(nn.Module):
     self.value = _dense(cfg, heads)
     self.out = _dense(cfg, cfg.d_model, in_dims=2)
 
+  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None) -> Array:
+    """`[batch, q_length, d_model]`, `[batch, kv_length, d_model]` -> `[batch, q_length, d_model]`."""
+    return self.attend(inputs_q, *self.project_key_value(inputs_kv), mask)
+
   def project_key_value(self, inputs_kv: Array) -> tuple[Array, Array]:
-    """`[batch, kv_length, d_model]` -> keys, values `[batch, kv_length, heads, d_k]`."""
+    """`[batch, kv_length, d_model]` -> K W^K, V W^V `[batch, kv_length, heads, d_k]`."""
     return self.key(inputs_kv), self.value(inputs_kv)
 
-  def attend(self, inputs_q: Array, key: Array, value: Array,
-             mask: Array | None) -> Array:
+  def attend(self, inputs_q: Array, key: Array, value: Array, mask: Array | None) -> Array:
     """Attention of `inputs_q` `[batch, q_length, d_model]` to projected keys/values."""
     cfg = self.config
-    query = self.query(inputs_q)
-    want_weights = self.is_mutable_collection("intermediates")
     dropout_rng = None
     if not self.deterministic and cfg.attention_dropout_rate > 0:
       dropout_rng = self.make_rng("dropout")
     heads, weights = scaled_dot_product_attention(
-        query, key, value, mask, dropout_rate=cfg.attention_dropout_rate,
-        dropout_rng=dropout_rng, return_weights=want_weights,
+        self.query(inputs_q), key, value, mask, dropout_rate=cfg.attention_dropout_rate,
+        dropout_rng=dropout_rng, return_weights=self.is_mutable_collection("intermediates"),
         implementation=cfg.attention_implementation)
     if weights is not None:
       self.sow("intermediates", "attention_weights", weights)
     return self.out(heads)  # Concat(heads) W^O
 
-  def __call__(self, inputs_q: Array, inputs_kv: Array, mask: Array | None) -> Array:
-    """`[batch, q_length, d_model]`, `[batch, kv_length, d_model]` -> `[batch, q_length, d_model]`."""
-    key, value = self.project_key_value(inputs_kv)
-    return self.attend(inputs_q, key, value, mask)
-
   def attend_step(self, inputs_q: Array, key: Array, value: Array, mask: Array,
                   written: Array | None = None) -> Array:
-    """The same attention for one decoding step, against cached keys/values in
+    """The same attention for one decoding step, against keys/values in
     `kv_cache`'s layout: inputs_q `[batch * beams, 1, d_model]` -> same shape."""
     return self.out(kv_cache.attend(self.query(inputs_q), key, value, mask, written))
 
@@ -309,8 +289,7 @@ class Embeddings(nn.Module):
   def setup(self):
     cfg = self.config
     self.embedding = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
-        param_dtype=cfg.params_dtype,
+        cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
         embedding_init=nn.initializers.normal(stddev=cfg.d_model ** -0.5))
 
   def __call__(self, tokens: Array) -> Array:
@@ -322,10 +301,6 @@ class Embeddings(nn.Module):
     """`[batch, length, d_model]` -> logits `[batch, length, vocab]` (y E^T)."""
     dtype = self.config.compute_dtype
     return tied_output_projection(y.astype(dtype), self.embedding.embedding.astype(dtype))
-
-  def attend_kernel(self) -> Array:
-    """E^T `[d_model, vocab]` in the compute dtype: `attend(y)` = `y @ attend_kernel()`."""
-    return self.embedding.embedding.T.astype(self.config.compute_dtype)
 
 
 class InputEmbedding(nn.Module):
@@ -384,41 +359,33 @@ class DecoderLayer(nn.Module):
     self.cross_attention_norm = ResidualNorm(cfg, det)
     self.feed_forward_norm = ResidualNorm(cfg, det)
 
-  def __call__(self, y: Array, encoded: Array, self_mask: Array,
-               cross_mask: Array) -> Array:
-    """Teacher-forced pass over the whole target.
-
-    y `[batch, tgt_length, d_model]`, encoded `[batch, src_length, d_model]`,
-    self_mask `[batch, 1, tgt_length, tgt_length]` (causal + padding),
-    cross_mask `[batch, 1, tgt_length, src_length]`.
-    """
+  def __call__(self, y: Array, encoded: Array, self_mask: Array, cross_mask: Array) -> Array:
+    """The whole target at once (teacher forcing): y `[batch, tgt_length, d_model]`,
+    encoded `[batch, src_length, d_model]`, self_mask `[batch, 1, tgt_length,
+    tgt_length]` (causal), cross_mask `[batch, 1, tgt_length, src_length]`."""
     y = self.self_attention_norm(y, lambda h: self.self_attention(h, h, self_mask))
     y = self.cross_attention_norm(y, lambda h: self.cross_attention(h, encoded, cross_mask))
     return self.feed_forward_norm(y, self.feed_forward)
 
-  # -- incremental decoding (the cache's layout: kv_cache.py) -----------------
-
   def memory(self, encoded: Array) -> tuple[Array, Array]:
-    """The encoder-decoder attention's keys/values, computed once per input,
-    not at every step: `[batch, src_length, d_model]` -> `kv_cache.memory_layout`."""
+    """Decoding: the encoder-decoder attention's keys/values, once per input
+    rather than at every step, in `kv_cache.memory_layout`."""
     return kv_cache.memory_layout(*self.cross_attention.project_key_value(encoded))
 
   def step(self, y: Array, cache: dict, memory: tuple[Array, Array],
            cross_mask: Array, self_mask: Array, index: Array) -> tuple[Array, dict]:
-    """The same layer for one position `index` of `batch * beams` rows:
+    """Decoding: the same layer for position `index` of `batch * beams` rows,
     y `[batch * beams, 1, d_model]` -> (same shape, this layer's `cache` with
-    the position's keys/values written). `memory`: from `memory()`."""
+    the position's keys/values written)."""
     def self_attention(h):
       nonlocal cache
       cache = kv_cache.write(cache, *self.self_attention.project_key_value(h), index)
       return self.self_attention.attend_step(h, cache["key"], cache["value"], self_mask,
                                              written=index + 1)
 
-    def cross_attention(h):
-      return self.cross_attention.attend_step(h, *memory, cross_mask)
-
     y = self.self_attention_norm(y, self_attention)
-    y = self.cross_attention_norm(y, cross_attention)
+    y = self.cross_attention_norm(
+        y, lambda h: self.cross_attention.attend_step(h, *memory, cross_mask))
     return self.feed_forward_norm(y, self.feed_forward), cache
 
 
@@ -428,16 +395,15 @@ def _stack(layer_cls, scanned_cls, config: TransformerConfig, num_layers: int,
   `layers_0`, `layers_1`, ...), or with `scan_layers` one `scanned_cls` under
   nn.scan, compiled once whatever N (parameters `layers`, stacked on axis 0).
   With `remat`, activations are recomputed in the backward pass."""
+  cls = scanned_cls if config.scan_layers else layer_cls
   if config.remat:  # under nn.scan, CSE cannot merge the recomputation anyway
-    layer_cls, scanned_cls = (nn.remat(cls, prevent_cse=not config.scan_layers)
-                              for cls in (layer_cls, scanned_cls))
+    cls = nn.remat(cls, prevent_cse=not config.scan_layers)
   if not config.scan_layers:
-    return [layer_cls(config, deterministic) for _ in range(num_layers)]
+    return [cls(config, deterministic) for _ in range(num_layers)]
   common = dict(variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True}, length=num_layers)
-  return nn.scan(scanned_cls, methods={name: dict(common, **axes)
-                                       for name, axes in scan_methods.items()}
-                 )(config, deterministic)
+  methods = {name: dict(common, **axes) for name, axes in scan_methods.items()}
+  return nn.scan(cls, methods=methods)(config, deterministic)
 
 
 class _ScannedEncoderLayer(EncoderLayer):
@@ -448,7 +414,7 @@ class _ScannedEncoderLayer(EncoderLayer):
 
 
 class _ScannedDecoderLayer(DecoderLayer):
-  """DecoderLayer in nn.scan's form; `memory` and `step` scan over per-layer data."""
+  """DecoderLayer in nn.scan's form (`step` has it already)."""
 
   def __call__(self, y, encoded, self_mask, cross_mask):
     return super().__call__(y, encoded, self_mask, cross_mask), None
@@ -456,8 +422,14 @@ class _ScannedDecoderLayer(DecoderLayer):
   def memory(self, encoded, _):
     return encoded, super().memory(encoded)
 
-  def step(self, y, cache, memory, cross_mask, self_mask, index):
-    return super().step(y, cache, memory, cross_mask, self_mask, index)
+
+def _run_stack(layers, scanned: bool, x: Array, *args) -> Array:
+  """x through every layer of a `_stack`, each also given `args`."""
+  if scanned:
+    return layers(x, *args)[0]
+  for layer in layers:
+    x = layer(x, *args)
+  return x
 
 
 class Encoder(nn.Module):
@@ -479,12 +451,7 @@ class Encoder(nn.Module):
     """inputs, segment_ids, positions `[batch, src_length]` -> `[batch, src_length, d_model]`."""
     cfg = self.config
     x = self.input_embedding(inputs, positions)
-    mask = attention_mask(segment_ids, segment_ids)
-    if cfg.scan_layers:
-      x, _ = self.layers(x, mask)
-    else:
-      for layer in self.layers:
-        x = layer(x, mask)
+    x = _run_stack(self.layers, cfg.scan_layers, x, attention_mask(segment_ids, segment_ids))
     if cfg.normalization == "pre":
       x = self.final_norm(x).astype(cfg.compute_dtype)
     return x
@@ -492,31 +459,37 @@ class Encoder(nn.Module):
 
 class Decoder(nn.Module):
   """Output embedding, N decoder layers, (final LayerNorm when pre-LN), logits.
-
-  Two modes share the parameters: `__call__` runs the whole target at once
-  (training, scoring); `memory` + `step` decode one position at a time.
-  """
+  `__call__` runs the whole target at once (training, scoring); `memory` and
+  `step` decode one position at a time, with the same parameters."""
 
   config: TransformerConfig
   embeddings: Embeddings
   deterministic: bool = True
 
   def setup(self):
-    cfg, det = self.config, self.deterministic
+    cfg, det, bcast = self.config, self.deterministic, nn.broadcast
     self.input_embedding = InputEmbedding(cfg, self.embeddings, det)
-    broadcast = nn.broadcast
-    self.layers = _stack(DecoderLayer, _ScannedDecoderLayer, cfg, cfg.num_decoder_layers, det,
-                         {"__call__": dict(in_axes=broadcast), "memory": dict(in_axes=(0,)),
-                          "step": dict(in_axes=(0, 0, broadcast, broadcast, broadcast))})
+    self.layers = _stack(DecoderLayer, _ScannedDecoderLayer, cfg, cfg.num_decoder_layers,
+                         det, {"__call__": dict(in_axes=bcast), "memory": dict(in_axes=(0,)),
+                               "step": dict(in_axes=(0, 0, bcast, bcast, bcast))})
     if cfg.normalization == "pre":
       self.final_norm = _layer_norm(cfg)
     if not cfg.logits_via_embedding:
       self.output_projection = _dense(cfg, cfg.vocab_size)
 
+  def __call__(self, decoder_inputs: Array, segment_ids: Array, positions: Array,
+               encoded: Array, encoder_segment_ids: Array) -> Array:
+    """decoder_inputs `[batch, tgt_length]` (targets shifted right), encoded
+    `[batch, src_length, d_model]` -> logits `[batch, tgt_length, vocab]`."""
+    y = self.input_embedding(decoder_inputs, positions)
+    y = _run_stack(self.layers, self.config.scan_layers, y, encoded,
+                   attention_mask(segment_ids, segment_ids, causal=True),
+                   attention_mask(segment_ids, encoder_segment_ids))
+    return self.logits(y)
+
   def logits(self, y: Array, logits_kernel: Array | None = None) -> Array:
-    """The final linear transformation: `[..., d_model]` -> float32 `[..., vocab]`.
-    `logits_kernel` (decoding): the tied projection laid out as `[d_model,
-    vocab]` (`logits_kernel()`), so that y E^T reads it row-major."""
+    """The final linear transformation: `[..., d_model]` -> float32 `[..., vocab]`
+    (`logits_kernel`: E^T already laid out `[d_model, vocab]`, for decoding)."""
     cfg = self.config
     if cfg.normalization == "pre":
       y = self.final_norm(y).astype(cfg.compute_dtype)
@@ -528,42 +501,18 @@ class Decoder(nn.Module):
       logits = self.output_projection(y)
     return logits.astype(jnp.float32)
 
-  def logits_kernel(self) -> Array | None:
-    """E^T `[d_model, vocab]` for decoding steps, made once, never per step
-    (None when untied: that kernel is `[d_model, vocab]` already). With a few
-    rows per step, y E^T against E as stored measured 25-35% slower (B greedy:
-    6.5 vs 4.7 ms per step), and it is the step's largest matmul."""
-    return self.embeddings.attend_kernel() if self.config.logits_via_embedding else None
-
-  def __call__(self, decoder_inputs: Array, segment_ids: Array, positions: Array,
-               encoded: Array, encoder_segment_ids: Array) -> Array:
-    """Teacher forcing: decoder_inputs `[batch, tgt_length]` (targets shifted
-    right), encoded `[batch, src_length, d_model]` -> logits `[batch, tgt_length, vocab]`."""
-    cfg = self.config
-    y = self.input_embedding(decoder_inputs, positions)
-    self_mask = attention_mask(segment_ids, segment_ids, causal=True)
-    cross_mask = attention_mask(segment_ids, encoder_segment_ids)
-    if cfg.scan_layers:
-      y, _ = self.layers(y, encoded, self_mask, cross_mask)
-    else:
-      for layer in self.layers:
-        y = layer(y, encoded, self_mask, cross_mask)
-    return self.logits(y)
-
   def memory(self, encoded: Array):
-    """Per-layer cross-attention keys/values (stacked on axis 0 when scanning)."""
+    """Every layer's cross-attention keys/values (stacked on axis 0 when scanned)."""
     if self.config.scan_layers:
       return self.layers.memory(encoded, None)[1]
     return [layer.memory(encoded) for layer in self.layers]
 
   def step(self, tokens: Array, cache: dict, memory, cross_mask: Array,
-           logits_kernel: Array | None = None):
-    """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache.
-    `cache`: `kv_cache.init_cache`'s; `memory`: from `memory()`."""
+           logits_kernel: Array | None) -> tuple[Array, dict]:
+    """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache."""
     index = cache["index"]
     self_mask, ancestry = kv_cache.self_attention_mask(cache)
-    positions = jnp.full((tokens.shape[0], 1), index, dtype=jnp.int32)
-    y = self.input_embedding(tokens[:, None], positions)
+    y = self.input_embedding(tokens[:, None], jnp.full((tokens.shape[0], 1), index, jnp.int32))
     if self.config.scan_layers:
       y, layers = self.layers.step(y, cache["layers"], memory, cross_mask, self_mask, index)
     else:
@@ -579,12 +528,12 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
   """The encoder-decoder Transformer (Figure 1).
 
-  Training / scoring:    logits = model.apply(params, inputs, decoder_inputs)
-  Decoding:              encoded = apply(..., method=Transformer.encode)
-                         memory  = apply(..., method=Transformer.encoder_memory)
-                         cache   = kv_cache.init_cache(config, batch, max_len, beams)
-                         logits, cache = apply(..., token_ids, cache, memory,
-                                               method=Transformer.decode_step)
+  Training / scoring:  logits = model.apply(params, inputs, decoder_inputs)
+  Decoding:            encoded = apply(..., method=Transformer.encode)
+                       memory  = apply(..., method=Transformer.encoder_memory)
+                       cache   = kv_cache.init_cache(config, batch, max_len, beams)
+                       logits, cache = apply(..., token_ids, cache, memory,
+                                             method=Transformer.decode_step)
   """
 
   config: TransformerConfig
@@ -600,35 +549,11 @@ class Transformer(nn.Module):
     self.decoder = Decoder(cfg, target_embeddings, det)
 
   def _segments_and_positions(self, tokens, segment_ids, positions):
-    if segment_ids is None:
-      segment_ids = segment_ids_from_tokens(tokens, self.config.pad_id)
+    if segment_ids is None:  # an unpacked batch: 1 on real tokens, 0 on padding
+      segment_ids = (tokens != self.config.pad_id).astype(jnp.int32)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     return segment_ids, positions
-
-  def encode(self, inputs: Array, inputs_segment_ids: Array | None = None,
-             inputs_positions: Array | None = None) -> Array:
-    """inputs `[batch, src_length]` token ids -> encoded `[batch, src_length, d_model]`."""
-    segment_ids, positions = self._segments_and_positions(
-        inputs, inputs_segment_ids, inputs_positions)
-    return self.encoder(inputs, segment_ids, positions)
-
-  def decode(self, encoded: Array, inputs: Array, decoder_inputs: Array,
-             inputs_segment_ids: Array | None = None,
-             decoder_segment_ids: Array | None = None,
-             decoder_positions: Array | None = None) -> Array:
-    """Teacher-forced decoder: -> logits `[batch, tgt_length, vocab]` (float32).
-
-    `inputs` (source token ids) only serve to mask source padding when
-    `inputs_segment_ids` is not given. Without `decoder_segment_ids`, every
-    decoder position counts as real (BOS may equal the padding id).
-    """
-    enc_segments, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
-    if decoder_segment_ids is None:
-      decoder_segment_ids = jnp.ones_like(decoder_inputs, dtype=jnp.int32)
-    _, positions = self._segments_and_positions(
-        decoder_inputs, decoder_segment_ids, decoder_positions)
-    return self.decoder(decoder_inputs, decoder_segment_ids, positions, encoded, enc_segments)
 
   def __call__(self, inputs: Array, decoder_inputs: Array,
                inputs_segment_ids: Array | None = None,
@@ -641,30 +566,52 @@ class Transformer(nn.Module):
     return self.decode(encoded, inputs, decoder_inputs, inputs_segment_ids,
                        decoder_segment_ids, decoder_positions)
 
+  def encode(self, inputs: Array, inputs_segment_ids: Array | None = None,
+             inputs_positions: Array | None = None) -> Array:
+    """inputs `[batch, src_length]` token ids -> encoded `[batch, src_length, d_model]`."""
+    segment_ids, positions = self._segments_and_positions(
+        inputs, inputs_segment_ids, inputs_positions)
+    return self.encoder(inputs, segment_ids, positions)
+
+  def decode(self, encoded: Array, inputs: Array, decoder_inputs: Array,
+             inputs_segment_ids: Array | None = None,
+             decoder_segment_ids: Array | None = None,
+             decoder_positions: Array | None = None) -> Array:
+    """Teacher-forced decoder -> float32 logits `[batch, tgt_length, vocab]`.
+    `inputs` (source ids) only mask source padding when `inputs_segment_ids` is
+    not given; without `decoder_segment_ids` every decoder position is real."""
+    enc_segments, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
+    if decoder_segment_ids is None:
+      decoder_segment_ids = jnp.ones_like(decoder_inputs, dtype=jnp.int32)
+    _, positions = self._segments_and_positions(
+        decoder_inputs, decoder_segment_ids, decoder_positions)
+    return self.decoder(decoder_inputs, decoder_segment_ids, positions, encoded, enc_segments)
+
   def encoder_memory(self, encoded: Array, inputs: Array,
                      inputs_segment_ids: Array | None = None,
                      logits_kernel: Array | None = None) -> dict:
-    """What every decoding step needs and no step changes, computed once per
-    batch: every layer's cross-attention keys/values, the source padding mask
-    and (tied embeddings) the pre-softmax projection E^T laid out for the step
-    (`logits_kernel()`; pass it in to reuse one copy across batches)."""
+    """Decoding: what every step needs and no step changes, once per batch:
+    every layer's cross-attention keys/values, the source padding mask and
+    `logits_kernel()` (pass it in to share one copy across batches)."""
     segment_ids, _ = self._segments_and_positions(inputs, inputs_segment_ids, None)
-    if logits_kernel is None:
-      logits_kernel = self.decoder.logits_kernel()
     return {"key_value": self.decoder.memory(encoded),
             "mask": (segment_ids > 0)[:, None, None, None, :],
-            "logits_kernel": logits_kernel}
+            "logits_kernel": self.logits_kernel() if logits_kernel is None else logits_kernel}
 
   def logits_kernel(self) -> Array | None:
-    """E^T for decoding steps (`Decoder.logits_kernel`): it depends on the
-    parameters only, so a caller decoding many batches computes it once."""
-    return self.decoder.logits_kernel()
+    """Decoding: the tied pre-softmax projection E^T laid out `[d_model, vocab]`
+    in the compute dtype (None when untied): with a few rows per step, y E^T
+    read from E as stored measured 25-35% slower, and it is a step's largest matmul."""
+    if not self.config.logits_via_embedding:
+      return None
+    embedding = self.decoder.embeddings.embedding.embedding  # E `[vocab, d_model]`
+    return embedding.T.astype(self.config.compute_dtype)
 
   def decode_step(self, token_ids: Array, cache: dict, memory: dict) -> tuple[Array, dict]:
-    """One step of incremental decoding: token_ids `[batch * beams]`, the
-    previous token of every row (BOS first; row b * beams + j is beam j of input
-    b), a `kv_cache.init_cache` cache and the `encoder_memory` of the `batch`
-    inputs -> float32 logits `[batch * beams, vocab]` of the next token, the cache."""
+    """Decoding: token_ids `[batch * beams]`, the previous token of every row
+    (BOS first; row b * beams + j is beam j of input b), a `kv_cache.init_cache`
+    cache and the `encoder_memory` of the `batch` inputs -> float32 logits
+    `[batch * beams, vocab]` of the next token, and the cache."""
     return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"],
                              memory["logits_kernel"])
 
@@ -686,30 +633,27 @@ def count_params(config_or_params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(config_or_params)))
 
 
-def _check_config(config: TransformerConfig) -> None:
-  """Raises a ValueError naming the first field of `config` with a bad value."""
-  def fail(field, problem):
-    raise ValueError(f"TransformerConfig.{field}={getattr(config, field)!r}: {problem}")
-
-  for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len",
-                "num_encoder_layers", "num_decoder_layers"):
-    if not isinstance(getattr(config, field), int) or getattr(config, field) < 1:
-      fail(field, "must be a positive integer")
-  if config.d_model % config.num_heads:
-    fail("d_model", f"must be divisible by num_heads={config.num_heads} "
-         "(each head gets d_model / num_heads dimensions)")
-  for field in ("dropout_rate", "attention_dropout_rate"):
-    if not 0.0 <= getattr(config, field) < 1.0:
-      fail(field, "must be in [0, 1)")
-  for field, choices in _CHOICES.items():
-    if getattr(config, field) not in choices:
-      fail(field, f"must be one of {choices} (the first is the default)")
-  for field in ("pad_id", "eos_id", "bos_id"):
-    if not 0 <= getattr(config, field) < config.vocab_size:
-      fail(field, f"must be a token id in [0, vocab_size={config.vocab_size})")
-
-
 _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu"),
             "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
             "param_dtype": _DTYPES, "attention_implementation": (None, "xla", "cudnn")}
+
+
+def _check_config(config: TransformerConfig) -> None:
+  """Raises a ValueError naming the first field of `config` with a bad value."""
+  def check(field, ok, problem):
+    if not ok(getattr(config, field)):
+      raise ValueError(f"TransformerConfig.{field}={getattr(config, field)!r}: {problem}")
+
+  for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len",
+                "num_encoder_layers", "num_decoder_layers"):
+    check(field, lambda v: isinstance(v, int) and v >= 1, "must be a positive integer")
+  check("d_model", lambda v: v % config.num_heads == 0, f"must be divisible by num_heads="
+        f"{config.num_heads} (each head gets d_model / num_heads dimensions)")
+  for field in ("dropout_rate", "attention_dropout_rate"):
+    check(field, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
+  for field, choices in _CHOICES.items():
+    check(field, lambda v: v in choices, f"must be one of {choices} (the first is the default)")
+  for field in ("pad_id", "eos_id", "bos_id"):
+    check(field, lambda v: 0 <= v < config.vocab_size,
+          f"must be a token id in [0, vocab_size={config.vocab_size})")
