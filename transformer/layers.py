@@ -12,8 +12,11 @@ checkpoint does not care which is used.
                           its autodiff                       1.5x faster than XLA's g^T y + copy
   Dropout                 flax.linen.Dropout, mask for mask  the mask hashed inside the kernel that
                           (same "dropout" RNG stream)        applies it (prng.py): 3-4x faster
+  stack_layers,           N layers applied in turn (a        `scan`: one compiled layer, compile time
+  run_layers              Python loop over a list)           flat in depth; `remat`: less memory
 
-Each is tested against the piece it matches (tests/test_layers.py, tests/test_prng.py).
+Each is tested against the piece it matches (tests/test_layers.py, tests/test_prng.py;
+the stacks: tests/test_model.py, scan and remat against the plain loop).
 """
 
 from __future__ import annotations
@@ -181,3 +184,32 @@ class Dropout(nn.Module):
     if self.deterministic or self.rate == 0.0:
       return x
     return prng.dropout(x, self.rate, self.make_rng("dropout"))
+
+
+def stack_layers(layer_cls, scanned_cls, num_layers: int, args: tuple, *, scan: bool,
+                 remat: bool, scan_methods: dict):
+  """N identical layers `layer_cls(*args)`: a Python list (parameters
+  `layers_0`, `layers_1`, ... when assigned to `self.layers` in `setup`), or
+  with `scan` one `scanned_cls(*args)` under nn.scan (parameters `layers`,
+  stacked on axis 0): compiled once, so compile time stays flat in depth.
+  `scanned_cls` is `layer_cls` in nn.scan's (carry, ...) -> (carry, output)
+  form; `scan_methods` names its methods with their `in_axes`. With `remat`,
+  each layer's activations are recomputed in the backward pass (less memory)."""
+  cls = scanned_cls if scan else layer_cls
+  if remat:  # under nn.scan, CSE cannot merge the recomputation anyway
+    cls = nn.remat(cls, prevent_cse=not scan)
+  if not scan:
+    return [cls(*args) for _ in range(num_layers)]
+  common = dict(variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True}, length=num_layers)
+  methods = {name: dict(common, **axes) for name, axes in scan_methods.items()}
+  return nn.scan(cls, methods=methods)(*args)
+
+
+def run_layers(layers, scan: bool, x: Array, *args) -> Array:
+  """x through every layer of `stack_layers`, each also given `args`."""
+  if scan:
+    return layers(x, *args)[0]
+  for layer in layers:
+    x = layer(x, *args)
+  return x

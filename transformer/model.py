@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import kv_cache, prng
-from transformer.layers import Dense, Dropout, LayerNorm, tied_output_projection
+from transformer.layers import (Dense, Dropout, LayerNorm, run_layers, stack_layers,
+                                tied_output_projection)
 
 Array = jax.Array
 
@@ -374,40 +375,12 @@ class DecoderLayer(nn.Module):
 
   def step(self, y: Array, cache: dict, memory: tuple[Array, Array],
            cross_mask: Array, self_mask: Array, index: Array) -> tuple[Array, dict]:
-    """Decoding: the same layer for position `index` of `batch * beams` rows,
-    y `[batch * beams, 1, d_model]` -> (same shape, this layer's `cache` with
-    the position's keys/values written)."""
-    def self_attention(h):
-      nonlocal cache
-      cache = kv_cache.write(cache, *self.self_attention.project_key_value(h), index)
-      return self.self_attention.attend_step(h, cache["key"], cache["value"], self_mask,
-                                             written=index + 1)
-
-    y = self.self_attention_norm(y, self_attention)
-    y = self.cross_attention_norm(
-        y, lambda h: self.cross_attention.attend_step(h, *memory, cross_mask))
-    return self.feed_forward_norm(y, self.feed_forward), cache
-
-
-def _stack(layer_cls, scanned_cls, config: TransformerConfig, num_layers: int,
-           deterministic: bool, scan_methods: dict):
-  """N identical layers (Section 3.1): a list of `layer_cls` (parameters
-  `layers_0`, `layers_1`, ...), or with `scan_layers` one `scanned_cls` under
-  nn.scan, compiled once whatever N (parameters `layers`, stacked on axis 0).
-  With `remat`, activations are recomputed in the backward pass."""
-  cls = scanned_cls if config.scan_layers else layer_cls
-  if config.remat:  # under nn.scan, CSE cannot merge the recomputation anyway
-    cls = nn.remat(cls, prevent_cse=not config.scan_layers)
-  if not config.scan_layers:
-    return [cls(config, deterministic) for _ in range(num_layers)]
-  common = dict(variable_axes={"params": 0, "intermediates": 0},
-                split_rngs={"params": True, "dropout": True}, length=num_layers)
-  methods = {name: dict(common, **axes) for name, axes in scan_methods.items()}
-  return nn.scan(cls, methods=methods)(config, deterministic)
+    """Decoding: this layer for position `index` only (`kv_cache.layer_step`)."""
+    return kv_cache.layer_step(self, y, cache, memory, cross_mask, self_mask, index)
 
 
 class _ScannedEncoderLayer(EncoderLayer):
-  """EncoderLayer in nn.scan's (carry, per-layer input) -> (carry, output) form."""
+  """EncoderLayer in nn.scan's (carry, ...) -> (carry, output) form (`scan_layers`)."""
 
   def __call__(self, x, mask):
     return super().__call__(x, mask), None
@@ -423,15 +396,6 @@ class _ScannedDecoderLayer(DecoderLayer):
     return encoded, super().memory(encoded)
 
 
-def _run_stack(layers, scanned: bool, x: Array, *args) -> Array:
-  """x through every layer of a `_stack`, each also given `args`."""
-  if scanned:
-    return layers(x, *args)[0]
-  for layer in layers:
-    x = layer(x, *args)
-  return x
-
-
 class Encoder(nn.Module):
   """Input embedding, N encoder layers (and a final LayerNorm when pre-LN)."""
 
@@ -442,8 +406,9 @@ class Encoder(nn.Module):
   def setup(self):
     cfg, det = self.config, self.deterministic
     self.input_embedding = InputEmbedding(cfg, self.embeddings, det)
-    self.layers = _stack(EncoderLayer, _ScannedEncoderLayer, cfg, cfg.num_encoder_layers,
-                         det, {"__call__": dict(in_axes=nn.broadcast)})
+    self.layers = stack_layers(EncoderLayer, _ScannedEncoderLayer, cfg.num_encoder_layers,
+                               (cfg, det), scan=cfg.scan_layers, remat=cfg.remat,
+                               scan_methods={"__call__": dict(in_axes=nn.broadcast)})
     if cfg.normalization == "pre":
       self.final_norm = _layer_norm(cfg)
 
@@ -451,7 +416,7 @@ class Encoder(nn.Module):
     """inputs, segment_ids, positions `[batch, src_length]` -> `[batch, src_length, d_model]`."""
     cfg = self.config
     x = self.input_embedding(inputs, positions)
-    x = _run_stack(self.layers, cfg.scan_layers, x, attention_mask(segment_ids, segment_ids))
+    x = run_layers(self.layers, cfg.scan_layers, x, attention_mask(segment_ids, segment_ids))
     if cfg.normalization == "pre":
       x = self.final_norm(x).astype(cfg.compute_dtype)
     return x
@@ -459,8 +424,8 @@ class Encoder(nn.Module):
 
 class Decoder(nn.Module):
   """Output embedding, N decoder layers, (final LayerNorm when pre-LN), logits.
-  `__call__` runs the whole target at once (training, scoring); `memory` and
-  `step` decode one position at a time, with the same parameters."""
+  `__call__` runs the whole target at once (training, scoring); decoding runs
+  one position at a time (`memory`, then `kv_cache.decoder_step`)."""
 
   config: TransformerConfig
   embeddings: Embeddings
@@ -469,9 +434,11 @@ class Decoder(nn.Module):
   def setup(self):
     cfg, det, bcast = self.config, self.deterministic, nn.broadcast
     self.input_embedding = InputEmbedding(cfg, self.embeddings, det)
-    self.layers = _stack(DecoderLayer, _ScannedDecoderLayer, cfg, cfg.num_decoder_layers,
-                         det, {"__call__": dict(in_axes=bcast), "memory": dict(in_axes=(0,)),
-                               "step": dict(in_axes=(0, 0, bcast, bcast, bcast))})
+    self.layers = stack_layers(
+        DecoderLayer, _ScannedDecoderLayer, cfg.num_decoder_layers, (cfg, det),
+        scan=cfg.scan_layers, remat=cfg.remat,
+        scan_methods={"__call__": dict(in_axes=bcast), "memory": dict(in_axes=(0,)),
+                      "step": dict(in_axes=(0, 0, bcast, bcast, bcast))})
     if cfg.normalization == "pre":
       self.final_norm = _layer_norm(cfg)
     if not cfg.logits_via_embedding:
@@ -482,7 +449,7 @@ class Decoder(nn.Module):
     """decoder_inputs `[batch, tgt_length]` (targets shifted right), encoded
     `[batch, src_length, d_model]` -> logits `[batch, tgt_length, vocab]`."""
     y = self.input_embedding(decoder_inputs, positions)
-    y = _run_stack(self.layers, self.config.scan_layers, y, encoded,
+    y = run_layers(self.layers, self.config.scan_layers, y, encoded,
                    attention_mask(segment_ids, segment_ids, causal=True),
                    attention_mask(segment_ids, encoder_segment_ids))
     return self.logits(y)
@@ -506,23 +473,6 @@ class Decoder(nn.Module):
     if self.config.scan_layers:
       return self.layers.memory(encoded, None)[1]
     return [layer.memory(encoded) for layer in self.layers]
-
-  def step(self, tokens: Array, cache: dict, memory, cross_mask: Array,
-           logits_kernel: Array | None) -> tuple[Array, dict]:
-    """tokens `[batch * beams]` -> logits `[batch * beams, vocab]`, new cache."""
-    index = cache["index"]
-    self_mask, ancestry = kv_cache.self_attention_mask(cache)
-    y = self.input_embedding(tokens[:, None], jnp.full((tokens.shape[0], 1), index, jnp.int32))
-    if self.config.scan_layers:
-      y, layers = self.layers.step(y, cache["layers"], memory, cross_mask, self_mask, index)
-    else:
-      layers = []
-      for layer, layer_cache, layer_memory in zip(self.layers, cache["layers"], memory):
-        y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, self_mask,
-                                    index)
-        layers.append(layer_cache)
-    return (self.logits(y[:, 0], logits_kernel),
-            {"index": index + 1, "ancestry": ancestry, "layers": layers})
 
 
 class Transformer(nn.Module):
@@ -612,8 +562,8 @@ class Transformer(nn.Module):
     (BOS first; row b * beams + j is beam j of input b), a `kv_cache.init_cache`
     cache and the `encoder_memory` of the `batch` inputs -> float32 logits
     `[batch * beams, vocab]` of the next token, and the cache."""
-    return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"],
-                             memory["logits_kernel"])
+    return kv_cache.decoder_step(self.decoder, token_ids, cache, memory["key_value"],
+                                 memory["mask"], memory["logits_kernel"])
 
 
 def init_params(config: TransformerConfig, rng: Array, src_length: int = 8,
