@@ -35,10 +35,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 
 from absl import app, flags
 from absl import logging as absl_logging
+
+from transformer.atomic_write import write_atomically
 
 METHODS = ("greedy", "beam", "sample")
 
@@ -240,25 +241,11 @@ def write_output(lines: list[str], path: str | None) -> None:
       devnull = os.open(os.devnull, os.O_WRONLY)
       os.dup2(devnull, sys.stdout.fileno())
     return
-  directory = os.path.dirname(os.path.abspath(path))
-  tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-  except BaseException as e:
-    if tmp is not None and os.path.exists(tmp):
-      os.remove(tmp)
-    if isinstance(e, OSError):
-      raise WorkdirError(f"--output={path}: cannot write it ({e.strerror or e}); "
-                         "nothing was written") from None
-    raise
+    write_atomically(path, text)
+  except OSError as e:
+    raise WorkdirError(f"--output={path}: cannot write it ({e.strerror or e}); "
+                       "nothing was written") from None
 
 
 # ----------------------------------------------------------------------------

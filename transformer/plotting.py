@@ -23,10 +23,10 @@ Attention heat maps follow the paper's appendix figures: rows are the target
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import sys
-import tempfile
 from typing import Sequence
 
 import matplotlib
@@ -48,6 +48,8 @@ def _choose_backend() -> None:
 _choose_backend()
 
 from matplotlib.figure import Figure  # noqa: E402  (after the backend choice)
+
+from transformer.atomic_write import write_atomically  # noqa: E402
 
 ATTENTION_CMAP = "Blues"
 CELL_INCHES = 0.28          # size of one heat-map cell
@@ -266,23 +268,8 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 120) -> str:
   and renamed, so it is never seen half-written. Returns the path.
   """
   path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
   suffix = os.path.splitext(path)[1] or ".png"
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-figure-", suffix=suffix)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      fig.savefig(f, format=suffix[1:], dpi=dpi)
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  image = io.BytesIO()
+  fig.savefig(image, format=suffix[1:], dpi=dpi)
+  write_atomically(path, image.getvalue())
   return path
-
-
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask

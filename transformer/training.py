@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
+from transformer.atomic_write import write_atomically
 from transformer.model import Transformer, TransformerConfig, shift_right
 
 logger = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
     # Copied into the workdir, so that the workdir alone is enough to decode.
     tokenizer = tokenizer_lib.load_tokenizer(config.vocab_path)
     if jax.process_index() == 0 and not os.path.exists(path):
-      write_bytes_atomically(path, tokenizer.serialized_model())
+      write_atomically(path, tokenizer.serialized_model())
     return tokenizer
   if not os.path.exists(path) and jax.process_index() == 0:
     logger.info("Training a SentencePiece vocabulary of %d pieces -> %s", config.vocab_size, path)
@@ -231,17 +232,8 @@ def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
   return tokenizer_lib.load_tokenizer(path)
 
 
-def write_bytes_atomically(path: str, data_bytes: bytes) -> None:
-  with open(path + ".tmp", "wb") as f:
-    f.write(data_bytes)
-  os.replace(path + ".tmp", path)
-
-
 def write_json(path: str, value) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
+  write_atomically(path, json.dumps(value, indent=2, sort_keys=True))
 
 
 def load_model_config(workdir: str) -> TransformerConfig:
