@@ -39,9 +39,8 @@ import sys
 from absl import app, flags
 from absl import logging as absl_logging
 
+from transformer import translation
 from transformer.atomic_write import write_atomically
-
-METHODS = ("greedy", "beam", "sample")
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "
@@ -53,7 +52,7 @@ _OUTPUT = flags.DEFINE_string(
     "output", None, "Where to write the translations, one line per input line. Default "
     "(or '-'): standard output. A file is written atomically (temp file + rename).")
 _METHOD = flags.DEFINE_string(
-    "method", "beam", "Decoding strategy: greedy | beam | sample.")
+    "method", "beam", f"Decoding strategy: {' | '.join(translation.METHODS)}.")
 _BEAM_SIZE = flags.DEFINE_integer(
     "beam_size", 4, "Beam search: hypotheses kept per sentence (the paper: 4).")
 _LENGTH_PENALTY = flags.DEFINE_float(
@@ -109,48 +108,34 @@ def _train_hint(workdir: str) -> str:
 # ----------------------------------------------------------------------------
 
 
-def check_flags() -> None:
-  """Raises UsageError naming the first flag with a bad value."""
-  def bad(flag, value, problem):
-    raise UsageError(f"--{flag}={value}: {problem}")
+def translate_options() -> dict:
+  """`Translator.translate`'s options from the flags of the same names."""
+  return dict(method=_METHOD.value, beam_size=_BEAM_SIZE.value,
+              length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
+              min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+              top_p=_TOP_P.value, n_best=_N_BEST.value, batch_size=_BATCH_SIZE.value)
 
+
+def flag_error(error) -> str:
+  """A library error about an option (`option`, `value`, `problem`), in flag words."""
+  return f"--{error.option}={error.value}: {error.problem}"
+
+
+def check_flags() -> None:
+  """Raises UsageError naming the first flag with a bad value (the library's
+  checks of the translation options, then decode.py's own)."""
   if not _WORKDIR.value:
     raise UsageError("--workdir is required: the directory train.py wrote "
                      "(e.g. --workdir=runs/demo)")
-  method = _METHOD.value
-  if method not in METHODS:
-    bad("method", method, f"unknown decoding method; choose one of {', '.join(METHODS)}")
-  if _BEAM_SIZE.value < 1:
-    bad("beam_size", _BEAM_SIZE.value, "must be >= 1")
-  if _N_BEST.value < 1:
-    bad("n_best", _N_BEST.value, "must be >= 1")
-  if method == "beam" and _N_BEST.value > _BEAM_SIZE.value:
-    bad("n_best", _N_BEST.value, f"must be <= --beam_size={_BEAM_SIZE.value} (beam "
-        "search keeps --beam_size hypotheses); raise --beam_size or lower --n_best")
-  if method == "greedy" and _N_BEST.value > 1:
-    bad("n_best", _N_BEST.value, "greedy search has one hypothesis; use --method=beam "
-        "or --method=sample for several")
-  if not 0.0 < _TOP_P.value <= 1.0:
-    bad("top_p", _TOP_P.value, "must be in (0, 1] (1 = no nucleus filtering)")
-  if _TOP_K.value < 0:
-    bad("top_k", _TOP_K.value, "must be >= 0 (0 = no top-k filtering)")
-  if _TEMPERATURE.value < 0:
-    bad("temperature", _TEMPERATURE.value, "must be >= 0 (0 = greedy)")
-  if _LENGTH_PENALTY.value < 0:
-    bad("length_penalty", _LENGTH_PENALTY.value, "must be >= 0 (0 = no length penalty)")
-  if _MAX_LEN.value is not None and _MAX_LEN.value < 1:
-    bad("max_len", _MAX_LEN.value, "must be >= 1")
-  if _MIN_LEN.value < 0:
-    bad("min_len", _MIN_LEN.value, "must be >= 0")
+  try:
+    translation.check_options(**translate_options())
+  except translation.OptionError as e:
+    raise UsageError(flag_error(e)) from None
   if _CPU_DEVICES.value < 0:
-    bad("cpu_devices", _CPU_DEVICES.value, "must be >= 0 (0 = JAX's default)")
-  if _MAX_LEN.value is not None and _MIN_LEN.value >= _MAX_LEN.value:
-    bad("min_len", _MIN_LEN.value, f"must be < --max_len={_MAX_LEN.value}")
-  if _BATCH_SIZE.value < 1:
-    bad("batch_size", _BATCH_SIZE.value, "must be >= 1")
+    raise UsageError(f"--cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)")
   which = _CHECKPOINT.value
   if which not in ("auto", "averaged", "latest") and not (which.isascii() and which.isdigit()):
-    bad("checkpoint", which, "choose auto, averaged, latest or a step number")
+    raise UsageError(f"--checkpoint={which}: choose auto, averaged, latest or a step number")
 
 
 # ----------------------------------------------------------------------------
@@ -421,15 +406,8 @@ def run() -> None:
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)  # before any device use
   translator, described = load_translator(workdir, which)
   n_best = _N_BEST.value
-  try:
-    results = translator.translate(
-        sources, method=method, beam_size=_BEAM_SIZE.value,
-        length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
-        min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-        top_p=_TOP_P.value, seed=_SEED.value, n_best=n_best,
-        batch_size=_BATCH_SIZE.value, progress=not quiet)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
+  results = translator.translate(sources, **translate_options(), seed=_SEED.value,
+                                 progress=not quiet)
   stats = dict(translator.last_stats)
   if n_best > 1 and method == "sample":  # samples come unordered: best first
     results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]

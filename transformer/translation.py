@@ -42,6 +42,54 @@ METHODS = ("greedy", "beam", "sample")
 MIN_BUCKET = 8
 
 
+class OptionError(ValueError):
+  """An option value that cannot be used. `str(e)` reads "option=value:
+  problem"; `option`, `value` and `problem` are kept apart so that a command
+  line can name its flag instead (decode.py: "--option=value: problem")."""
+
+  def __init__(self, option: str, value, problem: str):
+    super().__init__(f"{option}={value}: {problem}")
+    self.option, self.value, self.problem = option, value, problem
+
+
+def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
+                  max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
+                  batch_size: int = 32) -> None:
+  """Raises OptionError naming the first of `Translator.translate`'s options
+  (same names and defaults) whose value cannot be used, and what to do."""
+  if method not in METHODS:
+    raise OptionError("method", method,
+                      f"unknown decoding method; choose one of {', '.join(METHODS)}")
+  if beam_size < 1:
+    raise OptionError("beam_size", beam_size, "must be >= 1")
+  if n_best < 1:
+    raise OptionError("n_best", n_best, "must be >= 1")
+  if method == "beam" and n_best > beam_size:
+    raise OptionError("n_best", n_best, f"must be <= beam_size={beam_size} (beam search "
+                      "keeps beam_size hypotheses); raise beam_size or lower n_best")
+  if method == "greedy" and n_best > 1:
+    raise OptionError("n_best", n_best, "greedy search has one hypothesis; use "
+                      "method=beam or method=sample for several")
+  if not 0.0 < top_p <= 1.0:
+    raise OptionError("top_p", top_p, "must be in (0, 1] (1 = no nucleus filtering)")
+  if top_k < 0:
+    raise OptionError("top_k", top_k, "must be >= 0 (0 = no top-k filtering)")
+  if temperature < 0:
+    raise OptionError("temperature", temperature, "must be >= 0 (0 = greedy)")
+  if length_penalty < 0:
+    raise OptionError("length_penalty", length_penalty,
+                      "must be >= 0 (0 = no length penalty)")
+  if max_len is not None and max_len < 1:
+    raise OptionError("max_len", max_len, "must be >= 1")
+  if min_len < 0:
+    raise OptionError("min_len", min_len, "must be >= 0")
+  if max_len is not None and min_len >= max_len:
+    raise OptionError("min_len", min_len, f"must be < max_len={max_len}")
+  if batch_size < 1:
+    raise OptionError("batch_size", batch_size, "must be >= 1")
+
+
 def bucket_length(length: int, max_length: int) -> int:
   """The padded length for an input of `length` tokens: the next power of two
   (at least MIN_BUCKET), capped at `max_length`."""
@@ -157,18 +205,9 @@ class Translator:
       n_best > 1: a list (per input) of n_best (translation, score) pairs,
       best first for beam search.
     """
-    if method not in METHODS:
-      raise ValueError(f"method={method!r}: choose one of {METHODS}")
-    if n_best < 1 or (method == "beam" and n_best > beam_size):
-      raise ValueError(f"n_best={n_best} must be in [1, beam_size={beam_size}] for beam search")
-    if method == "greedy" and n_best > 1:
-      raise ValueError("n_best > 1 needs --method=beam or --method=sample")
-    if method == "sample" and temperature < 0:
-      raise ValueError(f"temperature={temperature} must be >= 0")
-    if not 0.0 < top_p <= 1.0:
-      raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    if top_k < 0 or batch_size < 1 or beam_size < 1:
-      raise ValueError("top_k must be >= 0, batch_size and beam_size >= 1")
+    check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
+                  max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,
+                  top_p=top_p, n_best=n_best, batch_size=batch_size)
 
     start = time.perf_counter()
     cfg, tok = self.config, self.tokenizer
