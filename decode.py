@@ -32,14 +32,14 @@ stderr that names the flag, file or line at fault and what to do.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
+import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
-from transformer import translation
+from transformer import translation, workdir as workdir_lib
 from transformer.atomic_write import write_atomically
 
 _WORKDIR = flags.DEFINE_string(
@@ -99,10 +99,6 @@ class WorkdirError(Exception):
   """The workdir cannot be used, or decoding failed (exit status 1)."""
 
 
-def _train_hint(workdir: str) -> str:
-  return f"train a model first: python train.py --workdir={workdir}"
-
-
 # ----------------------------------------------------------------------------
 # Flags
 # ----------------------------------------------------------------------------
@@ -122,20 +118,18 @@ def flag_error(error) -> str:
 
 
 def check_flags() -> None:
-  """Raises UsageError naming the first flag with a bad value (the library's
-  checks of the translation options, then decode.py's own)."""
+  """Raises UsageError naming the first flag with a bad value: decode.py's own
+  flags, then the library's checks of the translation options and --checkpoint."""
   if not _WORKDIR.value:
     raise UsageError("--workdir is required: the directory train.py wrote "
                      "(e.g. --workdir=runs/demo)")
-  try:
-    translation.check_options(**translate_options())
-  except translation.OptionError as e:
-    raise UsageError(flag_error(e)) from None
   if _CPU_DEVICES.value < 0:
     raise UsageError(f"--cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)")
-  which = _CHECKPOINT.value
-  if which not in ("auto", "averaged", "latest") and not (which.isascii() and which.isdigit()):
-    raise UsageError(f"--checkpoint={which}: choose auto, averaged, latest or a step number")
+  try:
+    translation.check_options(**translate_options())
+    workdir_lib.checkpoint_choice(_CHECKPOINT.value)
+  except translation.OptionError as e:
+    raise UsageError(flag_error(e)) from None
 
 
 # ----------------------------------------------------------------------------
@@ -238,126 +232,29 @@ def write_output(lines: list[str], path: str | None) -> None:
 # ----------------------------------------------------------------------------
 
 
-def find_workdir_files(workdir: str) -> tuple[str, str]:
-  """(model_config.json path, vocabulary path), or WorkdirError naming what is missing."""
-  if not os.path.isdir(workdir):
-    raise WorkdirError(f"--workdir={workdir}: no such directory; {_train_hint(workdir)}")
-  model_config = os.path.join(workdir, "model_config.json")
-  if not os.path.exists(model_config):
-    raise WorkdirError(f"{model_config} not found: {workdir} is not a workdir written by "
-                       f"train.py; {_train_hint(workdir)}")
-  vocab = os.path.join(workdir, "vocab.model")
-  if os.path.exists(vocab):
-    return model_config, vocab
-  # A run trained with config.vocab_path reads its vocabulary from there.
-  vocab_path = ""
+def check_workdir(workdir: str, which: str) -> str | int:
+  """The checkpoint --checkpoint names ("averaged" or a step), once the workdir
+  is known to hold what decoding needs. Nothing is loaded: this runs before
+  the input is read. WorkdirError names what is missing and what to do."""
   try:
-    with open(os.path.join(workdir, "config.json")) as f:
-      vocab_path = json.load(f).get("vocab_path") or ""
-  except (OSError, ValueError):
-    pass
-  if vocab_path and os.path.exists(vocab_path):
-    return model_config, vocab_path
-  also = f" (nor the config's vocab_path {vocab_path})" if vocab_path else ""
-  raise WorkdirError(f"{vocab} not found{also}: the vocabulary is missing; "
-                     f"{_train_hint(workdir)} (it writes vocab.model first)")
-
-
-def finished_steps(directory: str) -> list[int]:
-  """Steps of the finished checkpoints in `directory`, ascending. Orbax writes a
-  step under a temporary name and renames it to the bare step number when it
-  is complete, so the directories named by a number are the finished ones (the
-  same rule as `checkpoints.checkpoint_steps`, without importing orbax)."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(name) for name in os.listdir(directory)
-                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
-
-
-def resolve_checkpoint(workdir: str, which: str) -> str | int:
-  """--checkpoint -> "averaged" or a step number, or WorkdirError saying what
-  is missing. Cheap: runs before JAX is imported."""
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  averaged_dir = os.path.join(workdir, "checkpoints_averaged")
-  steps = finished_steps(ckpt_dir)
-  if which == "auto":
-    which = "averaged" if finished_steps(averaged_dir) else "latest"
-  if which == "averaged":
-    if not finished_steps(averaged_dir):
-      raise WorkdirError(
-          f"--checkpoint=averaged: no averaged checkpoint in {averaged_dir} (train.py "
-          "writes one at the end when --config.average_last > 1); use "
-          "--checkpoint=latest or a step number")
-    return "averaged"
-  if not steps:
-    raise WorkdirError(f"no checkpoint in {ckpt_dir}: {_train_hint(workdir)} (it saves "
-                       "every --config.checkpoint_every steps and at the end)")
-  if which == "latest":
-    return steps[-1]
-  if int(which) not in steps:
-    raise WorkdirError(f"--checkpoint={which}: no checkpoint for step {int(which)} in "
-                       f"{ckpt_dir}; available steps: {steps} (or use --checkpoint=auto)")
-  return int(which)
+    workdir_lib.check_files(workdir)
+    return workdir_lib.resolve_checkpoint(workdir, which)
+  except workdir_lib.CheckpointNotFound as e:
+    raise WorkdirError(flag_error(e)) from None
+  except FileNotFoundError as e:
+    raise WorkdirError(str(e)) from None
 
 
 def load_translator(workdir: str, which: str | int):
-  """Translator for the workdir's model and checkpoint `which` ("averaged" or
-  a step, from `resolve_checkpoint`), and a description of that checkpoint."""
-  import functools
-
-  import jax
-
-  from transformer import checkpoints, tokenizer as tokenizer_lib, training
-  from transformer.model import init_params
-  from transformer.translation import Translator
-
-  model_config_path, vocab_path = find_workdir_files(workdir)
+  """(Translator, a description of its checkpoint); WorkdirError if a file
+  of the workdir cannot be read."""
   try:
-    model_config = training.load_model_config(workdir)
-  except (ValueError, TypeError) as e:
-    raise WorkdirError(f"{model_config_path} is not a valid model config ({e}); "
-                       "it is written by train.py, do not edit it") from None
-  try:
-    tokenizer = tokenizer_lib.load_tokenizer(vocab_path)
-  except (ValueError, OSError) as e:
+    translator, info = workdir_lib.load_translator(workdir, which, with_info=True)
+  except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
-
-  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
-  try:
-    params, info = checkpoints.load_params(workdir, target, which=which, with_info=True)
-  except (FileNotFoundError, ValueError) as e:
-    raise WorkdirError(f"cannot load the parameters: {e}") from None
   if info["kind"] == "averaged":
-    described = f"averaged steps {info['averaged_steps']}"
-  else:
-    described = f"step {info['step']}"
-  return Translator(model_config, params, tokenizer), described
-
-
-# ----------------------------------------------------------------------------
-# Attention plots
-# ----------------------------------------------------------------------------
-
-
-def plot_attention(translator, sources: list[str], translations: list[str],
-                   directory: str, progress: bool) -> int:
-  """DIR/<line>.png for every non-empty source; returns the number written."""
-  import tqdm
-
-  from transformer import plotting
-
-  todo = [i for i, s in enumerate(sources) if s.strip()]
-  written = 0
-  for i in tqdm.tqdm(todo, desc="plot", unit="sent", disable=not progress,
-                     dynamic_ncols=True):
-    source_pieces, target_pieces, weights = translator.cross_attention(
-        sources[i], translations[i])
-    fig = plotting.plot_cross_attention(
-        weights, source_pieces, target_pieces, mode="layers",
-        title=f"line {i + 1}: encoder-decoder attention")
-    plotting.save_figure(fig, os.path.join(directory, f"{i + 1}.png"))
-    written += 1
-  return written
+    return translator, f"averaged steps {info['averaged_steps']}"
+  return translator, f"step {info['step']}"
 
 
 # ----------------------------------------------------------------------------
@@ -386,9 +283,8 @@ def _truncation_warning(stats: dict, max_len: int) -> str:
 def run() -> None:
   check_flags()
   workdir, quiet, method = _WORKDIR.value, _QUIET.value, _METHOD.value
-  # Cheap checks first: before reading stdin, importing JAX, loading anything.
-  find_workdir_files(workdir)
-  which = resolve_checkpoint(workdir, _CHECKPOINT.value)
+  # Cheap checks first: before reading stdin or loading anything.
+  which = check_workdir(workdir, _CHECKPOINT.value)
   check_output_path(_OUTPUT.value)
   plot_dir = _PLOT_ATTENTION.value
   if plot_dir:
@@ -402,7 +298,6 @@ def run() -> None:
   sources, _ = read_input(_INPUT.value)
 
   if _CPU_DEVICES.value:
-    import jax
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)  # before any device use
   translator, described = load_translator(workdir, which)
   n_best = _N_BEST.value
@@ -419,7 +314,9 @@ def run() -> None:
   plots = None
   if plot_dir:
     best = results if n_best == 1 else [hyps[0][0] for hyps in results]
-    plots = plot_attention(translator, sources, best, plot_dir, progress=not quiet)
+    from transformer import plotting  # (matplotlib: only when asked for)
+    plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
+                                                progress=not quiet)
 
   if not quiet:
     print(_summary(stats, described, method, plots), file=sys.stderr)

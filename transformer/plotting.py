@@ -19,6 +19,8 @@ Attention heat maps follow the paper's appendix figures: rows are the target
         decoder layer, the heads averaged (mode="layers", the default)
     plot_cross_attention(weights, src, tgt, mode="heads")    one panel per head
         of one layer (the last by default)
+    save_cross_attention_plots(translator, sources, translations, directory)
+        one such picture (mode="layers") per sentence, as decode.py writes them
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Sequence
 
 import matplotlib
 import numpy as np
+import tqdm
 
 
 def _choose_backend() -> None:
@@ -273,3 +276,21 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 120) -> str:
   fig.savefig(image, format=suffix[1:], dpi=dpi)
   write_atomically(path, image.getvalue())
   return path
+
+
+def save_cross_attention_plots(translator, sources: Sequence[str], translations: Sequence[str],
+                               directory: str, *, progress: bool = False) -> int:
+  """Writes `<directory>/<i + 1>.png` for every non-empty source i: the
+  encoder-decoder attention of `translations[i]` (`translator.cross_attention`,
+  a `translation.Translator`'s), one panel per decoder layer with its heads
+  averaged. Shows a tqdm bar on stderr with `progress`. Returns how many
+  pictures were written."""
+  todo = [i for i, source in enumerate(sources) if source.strip()]
+  for i in tqdm.tqdm(todo, desc="plot", unit="sent", disable=not progress,
+                     dynamic_ncols=True):
+    source_pieces, target_pieces, weights = translator.cross_attention(
+        sources[i], translations[i])
+    fig = plot_cross_attention(weights, source_pieces, target_pieces, mode="layers",
+                               title=f"line {i + 1}: encoder-decoder attention")
+    save_figure(fig, os.path.join(directory, f"{i + 1}.png"))
+  return len(todo)

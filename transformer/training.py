@@ -17,7 +17,6 @@ that on small hardware), checkpoint averaging.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -33,14 +32,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
+from transformer import translation, workdir as workdir_lib
 from transformer.atomic_write import write_atomically
 from transformer.model import Transformer, TransformerConfig, shift_right
 
 logger = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.json"
-MODEL_CONFIG_FILE = "model_config.json"
-VOCAB_FILE = "vocab.model"
 
 
 class TrainingDiverged(FloatingPointError):
@@ -191,7 +187,7 @@ def summarize_sums(sums: dict) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------
-# Workdir set-up: config, vocabulary, model config
+# Workdir set-up: vocabulary, model config
 # ----------------------------------------------------------------------------
 
 
@@ -214,7 +210,7 @@ def _unknown_model_fields(config) -> list[str]:
 def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
   trained on the training data the first time (by process 0)."""
-  path = os.path.join(workdir, VOCAB_FILE)
+  path = os.path.join(workdir, workdir_lib.VOCAB_FILE)
   if config.get("vocab_path"):
     # Copied into the workdir, so that the workdir alone is enough to decode.
     tokenizer = tokenizer_lib.load_tokenizer(config.vocab_path)
@@ -230,20 +226,6 @@ def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("vocabulary written")
   return tokenizer_lib.load_tokenizer(path)
-
-
-def write_json(path: str, value) -> None:
-  write_atomically(path, json.dumps(value, indent=2, sort_keys=True))
-
-
-def load_model_config(workdir: str) -> TransformerConfig:
-  path = os.path.join(workdir, MODEL_CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f"{path} not found: {workdir} is not a workdir written by train.py "
-        "(run `python train.py --workdir=...` first).")
-  with open(path) as f:
-    return TransformerConfig.from_dict(json.load(f))
 
 
 # ----------------------------------------------------------------------------
@@ -302,8 +284,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   `train_pairs` / `eval_pairs` (sequences of (source, target) strings) replace
   the data source of `config.data`, e.g. for sentence pairs held in memory.
   """
-  from transformer import translation  # (imports decoding; kept out of the step code)
-
   _check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -316,8 +296,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = get_tokenizer(config, workdir, train_pairs)
   model_config = model_config_from(config, tokenizer.vocab_size)
   if is_main:
-    write_json(os.path.join(workdir, CONFIG_FILE), config.to_dict())
-    write_json(os.path.join(workdir, MODEL_CONFIG_FILE), model_config.to_dict())
+    workdir_lib.save_configs(workdir, config.to_dict(), model_config)
 
   mesh = parallel.make_mesh()
   replicated = parallel.replicated(mesh)

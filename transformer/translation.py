@@ -2,7 +2,8 @@
 
 `Translator` ties the model (`model.py`), a decoding strategy (`decoding.py`)
 and the vocabulary (`tokenizer.py`) together. It is what `decode.py`, the
-training loop's BLEU evaluation and the notebook API use.
+training loop's BLEU evaluation and the notebook API use (`workdir.py` loads
+one from a trained workdir).
 
 How a list of sentences is decoded:
   1. Tokenize; append EOS; inputs longer than the model's `max_len` are
@@ -24,7 +25,6 @@ length rounded up to its bucket).
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 
@@ -329,29 +329,3 @@ class Translator:
     self._compiled["cross_attention"] = fn
     return fn
 
-
-def load_translator(workdir: str, checkpoint: str | int = "auto") -> Translator:
-  """A Translator for a workdir written by train.py.
-
-  Args:
-    workdir: holds model_config.json, vocab.model and checkpoints.
-    checkpoint: "auto" (the averaged checkpoint if any, else the latest),
-      "averaged", "latest", or a step number.
-  Raises:
-    FileNotFoundError naming what is missing (and that train.py writes it).
-  """
-  import os
-  from transformer import checkpoints, tokenizer as tokenizer_lib, training
-  from transformer.model import init_params
-
-  if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"workdir {workdir} does not exist; train a model first: "
-                            f"python train.py --workdir={workdir}")
-  workdir = os.path.abspath(workdir)  # orbax restores only from absolute paths
-  model_config = training.load_model_config(workdir)
-  tokenizer = tokenizer_lib.load_tokenizer(os.path.join(workdir, training.VOCAB_FILE))
-  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
-  if isinstance(checkpoint, str) and checkpoint.isdigit():
-    checkpoint = int(checkpoint)
-  params = checkpoints.load_params(workdir, target, which=checkpoint)
-  return Translator(model_config, params, tokenizer)
