@@ -34,7 +34,7 @@ from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
 from transformer import translation, workdir as workdir_lib
 from transformer.atomic_write import write_atomically
-from transformer.model import Transformer, TransformerConfig, shift_right
+from transformer.model import Transformer, TransformerConfig, init_params, shift_right
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,7 @@ def make_optimizer(config: ml_collections.ConfigDict, d_model: int):
 def create_train_state(model_config: TransformerConfig, optimizer, seed: int) -> dict:
   """{"step", "params", "opt_state", "rng"}: everything a resumed run needs."""
   init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
-  dummy = jnp.ones((1, 8), jnp.int32)
-  params = Transformer(model_config).init(init_rng, dummy, dummy)["params"]
+  params = init_params(model_config, init_rng)
   return {"step": jnp.array(0, jnp.int32), "params": params,
           "opt_state": optimizer.init(params), "rng": dropout_rng}
 
