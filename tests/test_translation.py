@@ -3,6 +3,7 @@ is exercised on a trained model in test_api.py and test_decode_cli.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from transformer import translation
@@ -40,3 +41,24 @@ def test_check_options_accepts_every_usable_value():
                             temperature=0.0, length_penalty=0.0, min_len=4, max_len=5)
   for method in translation.METHODS:
     translation.check_options(method=method)
+
+
+def test_length_buckets_group_shortest_first_and_skip_empty_inputs():
+  encoded = [[5] * 3, [], [5] * 10, [5] * 9, [5] * 2, [5] * 40]
+  assert translation.length_buckets(encoded, max_length=32) == [
+      (8, [4, 0]), (16, [3, 2]), (32, [5])]              # 40 tokens: capped at 32
+
+
+def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():
+  inputs = [[7, 8, 1], [9, 1]]
+  batch = translation.pack_batch(inputs, rows=6, length=4, copies=2)
+  np.testing.assert_array_equal(batch, [[7, 8, 1, 0], [7, 8, 1, 0], [9, 1, 0, 0],
+                                        [9, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+  # Decoder output [rows, n, length]: row r's k-th hypothesis is r * 10 + k.
+  seqs = np.arange(6)[:, None, None] * 10 + np.arange(3)[None, :, None] + np.zeros((1, 1, 2))
+  scores = seqs[..., 0] / 100
+  samples = translation.unpack_hypotheses(seqs, scores, count=2, copies=2, n_best=2)
+  assert [[int(ids[0]) for ids, _ in hyps] for hyps in samples] == [[0, 10], [20, 30]]
+  beams = translation.unpack_hypotheses(seqs, scores, count=2, copies=1, n_best=2)
+  assert [[int(ids[0]) for ids, _ in hyps] for hyps in beams] == [[0, 1], [10, 11]]
+  assert [score for _, score in beams[1]] == [0.1, 0.11]
