@@ -32,15 +32,15 @@ stderr that names the flag, file or line at fault and what to do.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 
+import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
-METHODS = ("greedy", "beam", "sample")
+from transformer import translation, workdir as workdir_lib
+from transformer.atomic_write import write_atomically
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "
@@ -52,7 +52,7 @@ _OUTPUT = flags.DEFINE_string(
     "output", None, "Where to write the translations, one line per input line. Default "
     "(or '-'): standard output. A file is written atomically (temp file + rename).")
 _METHOD = flags.DEFINE_string(
-    "method", "beam", "Decoding strategy: greedy | beam | sample.")
+    "method", "beam", f"Decoding strategy: {' | '.join(translation.METHODS)}.")
 _BEAM_SIZE = flags.DEFINE_integer(
     "beam_size", 4, "Beam search: hypotheses kept per sentence (the paper: 4).")
 _LENGTH_PENALTY = flags.DEFINE_float(
@@ -99,57 +99,37 @@ class WorkdirError(Exception):
   """The workdir cannot be used, or decoding failed (exit status 1)."""
 
 
-def _train_hint(workdir: str) -> str:
-  return f"train a model first: python train.py --workdir={workdir}"
-
-
 # ----------------------------------------------------------------------------
 # Flags
 # ----------------------------------------------------------------------------
 
 
-def check_flags() -> None:
-  """Raises UsageError naming the first flag with a bad value."""
-  def bad(flag, value, problem):
-    raise UsageError(f"--{flag}={value}: {problem}")
+def translate_options() -> dict:
+  """`Translator.translate`'s options from the flags of the same names."""
+  return dict(method=_METHOD.value, beam_size=_BEAM_SIZE.value,
+              length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
+              min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+              top_p=_TOP_P.value, n_best=_N_BEST.value, batch_size=_BATCH_SIZE.value)
 
+
+def flag_error(error) -> str:
+  """A library error about an option (`option`, `value`, `problem`), in flag words."""
+  return f"--{error.option}={error.value}: {error.problem}"
+
+
+def check_flags() -> None:
+  """Raises UsageError naming the first flag with a bad value: decode.py's own
+  flags, then the library's checks of the translation options and --checkpoint."""
   if not _WORKDIR.value:
     raise UsageError("--workdir is required: the directory train.py wrote "
                      "(e.g. --workdir=runs/demo)")
-  method = _METHOD.value
-  if method not in METHODS:
-    bad("method", method, f"unknown decoding method; choose one of {', '.join(METHODS)}")
-  if _BEAM_SIZE.value < 1:
-    bad("beam_size", _BEAM_SIZE.value, "must be >= 1")
-  if _N_BEST.value < 1:
-    bad("n_best", _N_BEST.value, "must be >= 1")
-  if method == "beam" and _N_BEST.value > _BEAM_SIZE.value:
-    bad("n_best", _N_BEST.value, f"must be <= --beam_size={_BEAM_SIZE.value} (beam "
-        "search keeps --beam_size hypotheses); raise --beam_size or lower --n_best")
-  if method == "greedy" and _N_BEST.value > 1:
-    bad("n_best", _N_BEST.value, "greedy search has one hypothesis; use --method=beam "
-        "or --method=sample for several")
-  if not 0.0 < _TOP_P.value <= 1.0:
-    bad("top_p", _TOP_P.value, "must be in (0, 1] (1 = no nucleus filtering)")
-  if _TOP_K.value < 0:
-    bad("top_k", _TOP_K.value, "must be >= 0 (0 = no top-k filtering)")
-  if _TEMPERATURE.value < 0:
-    bad("temperature", _TEMPERATURE.value, "must be >= 0 (0 = greedy)")
-  if _LENGTH_PENALTY.value < 0:
-    bad("length_penalty", _LENGTH_PENALTY.value, "must be >= 0 (0 = no length penalty)")
-  if _MAX_LEN.value is not None and _MAX_LEN.value < 1:
-    bad("max_len", _MAX_LEN.value, "must be >= 1")
-  if _MIN_LEN.value < 0:
-    bad("min_len", _MIN_LEN.value, "must be >= 0")
   if _CPU_DEVICES.value < 0:
-    bad("cpu_devices", _CPU_DEVICES.value, "must be >= 0 (0 = JAX's default)")
-  if _MAX_LEN.value is not None and _MIN_LEN.value >= _MAX_LEN.value:
-    bad("min_len", _MIN_LEN.value, f"must be < --max_len={_MAX_LEN.value}")
-  if _BATCH_SIZE.value < 1:
-    bad("batch_size", _BATCH_SIZE.value, "must be >= 1")
-  which = _CHECKPOINT.value
-  if which not in ("auto", "averaged", "latest") and not (which.isascii() and which.isdigit()):
-    bad("checkpoint", which, "choose auto, averaged, latest or a step number")
+    raise UsageError(f"--cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)")
+  try:
+    translation.check_options(**translate_options())
+    workdir_lib.checkpoint_choice(_CHECKPOINT.value)
+  except translation.OptionError as e:
+    raise UsageError(flag_error(e)) from None
 
 
 # ----------------------------------------------------------------------------
@@ -240,25 +220,11 @@ def write_output(lines: list[str], path: str | None) -> None:
       devnull = os.open(os.devnull, os.O_WRONLY)
       os.dup2(devnull, sys.stdout.fileno())
     return
-  directory = os.path.dirname(os.path.abspath(path))
-  tmp = None
   try:
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-      f.write(text)
-      f.flush()
-      os.fsync(f.fileno())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-  except BaseException as e:
-    if tmp is not None and os.path.exists(tmp):
-      os.remove(tmp)
-    if isinstance(e, OSError):
-      raise WorkdirError(f"--output={path}: cannot write it ({e.strerror or e}); "
-                         "nothing was written") from None
-    raise
+    write_atomically(path, text)
+  except OSError as e:
+    raise WorkdirError(f"--output={path}: cannot write it ({e.strerror or e}); "
+                       "nothing was written") from None
 
 
 # ----------------------------------------------------------------------------
@@ -266,126 +232,29 @@ def write_output(lines: list[str], path: str | None) -> None:
 # ----------------------------------------------------------------------------
 
 
-def find_workdir_files(workdir: str) -> tuple[str, str]:
-  """(model_config.json path, vocabulary path), or WorkdirError naming what is missing."""
-  if not os.path.isdir(workdir):
-    raise WorkdirError(f"--workdir={workdir}: no such directory; {_train_hint(workdir)}")
-  model_config = os.path.join(workdir, "model_config.json")
-  if not os.path.exists(model_config):
-    raise WorkdirError(f"{model_config} not found: {workdir} is not a workdir written by "
-                       f"train.py; {_train_hint(workdir)}")
-  vocab = os.path.join(workdir, "vocab.model")
-  if os.path.exists(vocab):
-    return model_config, vocab
-  # A run trained with config.vocab_path reads its vocabulary from there.
-  vocab_path = ""
+def check_workdir(workdir: str, which: str) -> str | int:
+  """The checkpoint --checkpoint names ("averaged" or a step), once the workdir
+  is known to hold what decoding needs. Nothing is loaded: this runs before
+  the input is read. WorkdirError names what is missing and what to do."""
   try:
-    with open(os.path.join(workdir, "config.json")) as f:
-      vocab_path = json.load(f).get("vocab_path") or ""
-  except (OSError, ValueError):
-    pass
-  if vocab_path and os.path.exists(vocab_path):
-    return model_config, vocab_path
-  also = f" (nor the config's vocab_path {vocab_path})" if vocab_path else ""
-  raise WorkdirError(f"{vocab} not found{also}: the vocabulary is missing; "
-                     f"{_train_hint(workdir)} (it writes vocab.model first)")
-
-
-def finished_steps(directory: str) -> list[int]:
-  """Steps of the finished checkpoints in `directory`, ascending. Orbax writes a
-  step under a temporary name and renames it to the bare step number when it
-  is complete, so the directories named by a number are the finished ones (the
-  same rule as `checkpoints.checkpoint_steps`, without importing orbax)."""
-  if not os.path.isdir(directory):
-    return []
-  return sorted(int(name) for name in os.listdir(directory)
-                if name.isdigit() and os.path.isdir(os.path.join(directory, name)))
-
-
-def resolve_checkpoint(workdir: str, which: str) -> str | int:
-  """--checkpoint -> "averaged" or a step number, or WorkdirError saying what
-  is missing. Cheap: runs before JAX is imported."""
-  ckpt_dir = os.path.join(workdir, "checkpoints")
-  averaged_dir = os.path.join(workdir, "checkpoints_averaged")
-  steps = finished_steps(ckpt_dir)
-  if which == "auto":
-    which = "averaged" if finished_steps(averaged_dir) else "latest"
-  if which == "averaged":
-    if not finished_steps(averaged_dir):
-      raise WorkdirError(
-          f"--checkpoint=averaged: no averaged checkpoint in {averaged_dir} (train.py "
-          "writes one at the end when --config.average_last > 1); use "
-          "--checkpoint=latest or a step number")
-    return "averaged"
-  if not steps:
-    raise WorkdirError(f"no checkpoint in {ckpt_dir}: {_train_hint(workdir)} (it saves "
-                       "every --config.checkpoint_every steps and at the end)")
-  if which == "latest":
-    return steps[-1]
-  if int(which) not in steps:
-    raise WorkdirError(f"--checkpoint={which}: no checkpoint for step {int(which)} in "
-                       f"{ckpt_dir}; available steps: {steps} (or use --checkpoint=auto)")
-  return int(which)
+    workdir_lib.check_files(workdir)
+    return workdir_lib.resolve_checkpoint(workdir, which)
+  except workdir_lib.CheckpointNotFound as e:
+    raise WorkdirError(flag_error(e)) from None
+  except FileNotFoundError as e:
+    raise WorkdirError(str(e)) from None
 
 
 def load_translator(workdir: str, which: str | int):
-  """Translator for the workdir's model and checkpoint `which` ("averaged" or
-  a step, from `resolve_checkpoint`), and a description of that checkpoint."""
-  import functools
-
-  import jax
-
-  from transformer import checkpoints, tokenizer as tokenizer_lib, training
-  from transformer.model import init_params
-  from transformer.translation import Translator
-
-  model_config_path, vocab_path = find_workdir_files(workdir)
+  """(Translator, a description of its checkpoint); WorkdirError if a file
+  of the workdir cannot be read."""
   try:
-    model_config = training.load_model_config(workdir)
-  except (ValueError, TypeError) as e:
-    raise WorkdirError(f"{model_config_path} is not a valid model config ({e}); "
-                       "it is written by train.py, do not edit it") from None
-  try:
-    tokenizer = tokenizer_lib.load_tokenizer(vocab_path)
-  except (ValueError, OSError) as e:
+    translator, info = workdir_lib.load_translator(workdir, which, with_info=True)
+  except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
-
-  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
-  try:
-    params, info = checkpoints.load_params(workdir, target, which=which, with_info=True)
-  except (FileNotFoundError, ValueError) as e:
-    raise WorkdirError(f"cannot load the parameters: {e}") from None
   if info["kind"] == "averaged":
-    described = f"averaged steps {info['averaged_steps']}"
-  else:
-    described = f"step {info['step']}"
-  return Translator(model_config, params, tokenizer), described
-
-
-# ----------------------------------------------------------------------------
-# Attention plots
-# ----------------------------------------------------------------------------
-
-
-def plot_attention(translator, sources: list[str], translations: list[str],
-                   directory: str, progress: bool) -> int:
-  """DIR/<line>.png for every non-empty source; returns the number written."""
-  import tqdm
-
-  from transformer import plotting
-
-  todo = [i for i, s in enumerate(sources) if s.strip()]
-  written = 0
-  for i in tqdm.tqdm(todo, desc="plot", unit="sent", disable=not progress,
-                     dynamic_ncols=True):
-    source_pieces, target_pieces, weights = translator.cross_attention(
-        sources[i], translations[i])
-    fig = plotting.plot_cross_attention(
-        weights, source_pieces, target_pieces, mode="layers",
-        title=f"line {i + 1}: encoder-decoder attention")
-    plotting.save_figure(fig, os.path.join(directory, f"{i + 1}.png"))
-    written += 1
-  return written
+    return translator, f"averaged steps {info['averaged_steps']}"
+  return translator, f"step {info['step']}"
 
 
 # ----------------------------------------------------------------------------
@@ -414,9 +283,8 @@ def _truncation_warning(stats: dict, max_len: int) -> str:
 def run() -> None:
   check_flags()
   workdir, quiet, method = _WORKDIR.value, _QUIET.value, _METHOD.value
-  # Cheap checks first: before reading stdin, importing JAX, loading anything.
-  find_workdir_files(workdir)
-  which = resolve_checkpoint(workdir, _CHECKPOINT.value)
+  # Cheap checks first: before reading stdin or loading anything.
+  which = check_workdir(workdir, _CHECKPOINT.value)
   check_output_path(_OUTPUT.value)
   plot_dir = _PLOT_ATTENTION.value
   if plot_dir:
@@ -430,19 +298,11 @@ def run() -> None:
   sources, _ = read_input(_INPUT.value)
 
   if _CPU_DEVICES.value:
-    import jax
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)  # before any device use
   translator, described = load_translator(workdir, which)
   n_best = _N_BEST.value
-  try:
-    results = translator.translate(
-        sources, method=method, beam_size=_BEAM_SIZE.value,
-        length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
-        min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-        top_p=_TOP_P.value, seed=_SEED.value, n_best=n_best,
-        batch_size=_BATCH_SIZE.value, progress=not quiet)
-  except ValueError as e:
-    raise UsageError(str(e)) from None
+  results = translator.translate(sources, **translate_options(), seed=_SEED.value,
+                                 progress=not quiet)
   stats = dict(translator.last_stats)
   if n_best > 1 and method == "sample":  # samples come unordered: best first
     results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]
@@ -453,8 +313,10 @@ def run() -> None:
 
   plots = None
   if plot_dir:
+    from transformer import plotting  # (matplotlib: only when asked for)
     best = results if n_best == 1 else [hyps[0][0] for hyps in results]
-    plots = plot_attention(translator, sources, best, plot_dir, progress=not quiet)
+    plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
+                                                progress=not quiet)
 
   if not quiet:
     print(_summary(stats, described, method, plots), file=sys.stderr)

@@ -27,6 +27,7 @@ import pytest
 
 import transformer
 from transformer import data, training, translation
+from transformer import workdir as workdir_lib
 from transformer.tokenizer import UNK_ID
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,7 +116,7 @@ def check_example(namespace: dict, cwd: Path) -> None:
 
   translator = namespace["translator"]
   assert isinstance(translator, transformer.Translator)
-  assert translator.config == training.load_model_config(str(workdir))
+  assert translator.config == workdir_lib.load_model_config(str(workdir))
   sentences = namespace.get("sentences")
   for name in ("beams", "samples"):
     if name in namespace:

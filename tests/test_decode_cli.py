@@ -5,7 +5,7 @@ tiny model and a short run (a module fixture, seconds). Every decode.py run
 pays a JAX import and compilations, so the successful runs are few, launched
 together (two at a time) by one fixture, and share a persistent compilation
 cache; each test then checks one property of their outputs. Error cases fail
-before JAX is imported and are cheap.
+before the model is loaded and are cheap.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from helpers import free_port, run_checked, subprocess_env  # noqa: E402
 
 from transformer import checkpoints, data, training  # noqa: E402
 from transformer import tokenizer as tokenizer_lib  # noqa: E402
+from transformer import workdir as workdir_lib  # noqa: E402
 from transformer.model import init_params  # noqa: E402
 
 WORKER = REPO / "tests" / "train_worker.py"
@@ -75,7 +76,7 @@ def train(workdir, overrides, **kwargs) -> training.TrainResult:
 
 
 def params_target(workdir):
-  model_config = training.load_model_config(str(workdir))
+  model_config = workdir_lib.load_model_config(str(workdir))
   return jax.eval_shape(lambda: init_params(model_config, jax.random.key(0)))
 
 
@@ -85,7 +86,7 @@ def load_params(workdir, which="latest"):
 
 def state_target(workdir, overrides):
   config = train_worker.tiny_config(overrides)
-  model_config = training.load_model_config(str(workdir))
+  model_config = workdir_lib.load_model_config(str(workdir))
   optimizer, _ = training.make_optimizer(config, model_config.d_model)
   return jax.eval_shape(lambda: training.create_train_state(model_config, optimizer, config.seed))
 
@@ -396,7 +397,7 @@ def replay_two_shards(workdir, overrides, num_steps):
   concatenation of both processes' rows, process 0 first."""
   config = train_worker.tiny_config(overrides)
   tok = tokenizer_lib.load_tokenizer(str(workdir / "vocab.model"))
-  model_config = training.load_model_config(str(workdir))
+  model_config = workdir_lib.load_model_config(str(workdir))
   optimizer, schedule = training.make_optimizer(config, model_config.d_model)
   state = jax.jit(lambda: training.create_train_state(model_config, optimizer, config.seed),
                   compiler_options=FAST_COMPILE)()

@@ -21,8 +21,10 @@ train.py and decode.py call it themselves).
 
 The building blocks live in the submodules: `transformer.model` (the Flax
 modules), `transformer.decoding` (greedy, beam search, sampling),
-`transformer.training`, `transformer.data`, `transformer.tokenizer`,
-`transformer.checkpoints`, `transformer.parallel`, `transformer.plotting`.
+`transformer.translation` (strings in, strings out), `transformer.workdir`
+(what a run directory holds, and the loader), `transformer.training`,
+`transformer.data`, `transformer.tokenizer`, `transformer.checkpoints`,
+`transformer.parallel`, `transformer.plotting`.
 """
 
 from transformer.host_memory import keep_freed_memory
@@ -55,9 +57,9 @@ def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: boo
 
 
 def load_translator(workdir: str, checkpoint="auto"):
-  """A `translation.Translator` for a trained workdir."""
-  from transformer import translation
-  return translation.load_translator(workdir, checkpoint)
+  """A `translation.Translator` for a trained workdir (`workdir.load_translator`)."""
+  from transformer import workdir as workdir_lib
+  return workdir_lib.load_translator(workdir, checkpoint)
 
 
 def __getattr__(name):

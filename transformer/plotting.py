@@ -19,18 +19,21 @@ Attention heat maps follow the paper's appendix figures: rows are the target
         decoder layer, the heads averaged (mode="layers", the default)
     plot_cross_attention(weights, src, tgt, mode="heads")    one panel per head
         of one layer (the last by default)
+    save_cross_attention_plots(translator, sources, translations, directory)
+        one such picture (mode="layers") per sentence, as decode.py writes them
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import sys
-import tempfile
 from typing import Sequence
 
 import matplotlib
 import numpy as np
+import tqdm
 
 
 def _choose_backend() -> None:
@@ -48,6 +51,8 @@ def _choose_backend() -> None:
 _choose_backend()
 
 from matplotlib.figure import Figure  # noqa: E402  (after the backend choice)
+
+from transformer.atomic_write import write_atomically  # noqa: E402
 
 ATTENTION_CMAP = "Blues"
 CELL_INCHES = 0.28          # size of one heat-map cell
@@ -266,23 +271,26 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 120) -> str:
   and renamed, so it is never seen half-written. Returns the path.
   """
   path = os.fspath(path)
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
   suffix = os.path.splitext(path)[1] or ".png"
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-figure-", suffix=suffix)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      fig.savefig(f, format=suffix[1:], dpi=dpi)
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  image = io.BytesIO()
+  fig.savefig(image, format=suffix[1:], dpi=dpi)
+  write_atomically(path, image.getvalue())
   return path
 
 
-def _umask() -> int:
-  mask = os.umask(0)
-  os.umask(mask)
-  return mask
+def save_cross_attention_plots(translator, sources: Sequence[str], translations: Sequence[str],
+                               directory: str, *, progress: bool = False) -> int:
+  """Writes `<directory>/<i + 1>.png` for every non-empty source i: the
+  encoder-decoder attention of `translations[i]` (`translator.cross_attention`,
+  a `translation.Translator`'s), one panel per decoder layer with its heads
+  averaged. Shows a tqdm bar on stderr with `progress`. Returns how many
+  pictures were written."""
+  todo = [i for i, source in enumerate(sources) if source.strip()]
+  for i in tqdm.tqdm(todo, desc="plot", unit="sent", disable=not progress,
+                     dynamic_ncols=True):
+    source_pieces, target_pieces, weights = translator.cross_attention(
+        sources[i], translations[i])
+    fig = plot_cross_attention(weights, source_pieces, target_pieces, mode="layers",
+                               title=f"line {i + 1}: encoder-decoder attention")
+    save_figure(fig, os.path.join(directory, f"{i + 1}.png"))
+  return len(todo)

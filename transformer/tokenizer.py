@@ -22,11 +22,12 @@ from __future__ import annotations
 import io
 import itertools
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
+
+from transformer.atomic_write import write_atomically
 
 PAD_ID = 0
 EOS_ID = 1
@@ -118,20 +119,6 @@ class Tokenizer:
     return self._proto
 
 
-def _write_atomically(path: str, data: bytes) -> None:
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-vocab-")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 def train_tokenizer(
     sentences: Iterable[str],
     model_path: str,
@@ -210,7 +197,7 @@ def train_tokenizer(
       ) from e
     raise
   tokenizer = Tokenizer(buf.getvalue(), model_path=model_path)
-  _write_atomically(model_path, buf.getvalue())
+  write_atomically(model_path, buf.getvalue())
   return tokenizer
 
 

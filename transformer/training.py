@@ -17,7 +17,6 @@ that on small hardware), checkpoint averaging.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -33,13 +32,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
-from transformer.model import Transformer, TransformerConfig, shift_right
+from transformer import translation, workdir as workdir_lib
+from transformer.atomic_write import write_atomically
+from transformer.model import Transformer, TransformerConfig, init_params, shift_right
 
 logger = logging.getLogger(__name__)
-
-CONFIG_FILE = "config.json"
-MODEL_CONFIG_FILE = "model_config.json"
-VOCAB_FILE = "vocab.model"
 
 
 class TrainingDiverged(FloatingPointError):
@@ -116,8 +113,7 @@ def make_optimizer(config: ml_collections.ConfigDict, d_model: int):
 def create_train_state(model_config: TransformerConfig, optimizer, seed: int) -> dict:
   """{"step", "params", "opt_state", "rng"}: everything a resumed run needs."""
   init_rng, dropout_rng = jax.random.split(jax.random.key(seed))
-  dummy = jnp.ones((1, 8), jnp.int32)
-  params = Transformer(model_config).init(init_rng, dummy, dummy)["params"]
+  params = init_params(model_config, init_rng)
   return {"step": jnp.array(0, jnp.int32), "params": params,
           "opt_state": optimizer.init(params), "rng": dropout_rng}
 
@@ -190,7 +186,7 @@ def summarize_sums(sums: dict) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------
-# Workdir set-up: config, vocabulary, model config
+# Workdir set-up: vocabulary, model config
 # ----------------------------------------------------------------------------
 
 
@@ -213,12 +209,12 @@ def _unknown_model_fields(config) -> list[str]:
 def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
   trained on the training data the first time (by process 0)."""
-  path = os.path.join(workdir, VOCAB_FILE)
+  path = os.path.join(workdir, workdir_lib.VOCAB_FILE)
   if config.get("vocab_path"):
     # Copied into the workdir, so that the workdir alone is enough to decode.
     tokenizer = tokenizer_lib.load_tokenizer(config.vocab_path)
     if jax.process_index() == 0 and not os.path.exists(path):
-      write_bytes_atomically(path, tokenizer.serialized_model())
+      write_atomically(path, tokenizer.serialized_model())
     return tokenizer
   if not os.path.exists(path) and jax.process_index() == 0:
     logger.info("Training a SentencePiece vocabulary of %d pieces -> %s", config.vocab_size, path)
@@ -229,29 +225,6 @@ def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("vocabulary written")
   return tokenizer_lib.load_tokenizer(path)
-
-
-def write_bytes_atomically(path: str, data_bytes: bytes) -> None:
-  with open(path + ".tmp", "wb") as f:
-    f.write(data_bytes)
-  os.replace(path + ".tmp", path)
-
-
-def write_json(path: str, value) -> None:
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(value, f, indent=2, sort_keys=True)
-  os.replace(tmp, path)
-
-
-def load_model_config(workdir: str) -> TransformerConfig:
-  path = os.path.join(workdir, MODEL_CONFIG_FILE)
-  if not os.path.exists(path):
-    raise FileNotFoundError(
-        f"{path} not found: {workdir} is not a workdir written by train.py "
-        "(run `python train.py --workdir=...` first).")
-  with open(path) as f:
-    return TransformerConfig.from_dict(json.load(f))
 
 
 # ----------------------------------------------------------------------------
@@ -302,6 +275,81 @@ def _check_config(config) -> None:
         f"{jax.device_count()}.")
 
 
+# ----------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------
+
+
+class Evaluator:
+  """Validation of the parameters during and after training.
+
+  `evaluator(params, step)` computes the eval loss, token accuracy and
+  perplexity over the eval pairs (the first `config.num_eval_examples`, or
+  all), and when `config.num_bleu_examples` > 0 the BLEU and exact match of the
+  translations of the first ones (`config.eval_decode_method`, beam
+  `config.eval_beam_size`); writes them to the metrics and returns them.
+  `samples` keeps (source, reference, translation) of the last evaluation.
+  One Translator serves every evaluation (the new parameters swapped in), so
+  its decoders compile once.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
+               tokenizer: tokenizer_lib.Tokenizer, eval_pairs, mesh,
+               writer: metrics_lib.MetricsWriter):
+    self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+    self.writer = writer
+    self.loss_pairs = (eval_pairs[:config.num_eval_examples] if config.num_eval_examples
+                       else eval_pairs)
+    self.bleu_pairs = list(eval_pairs[:config.num_bleu_examples])
+    self.samples: list[tuple[str, str, str]] = []
+    self._sharding = NamedSharding(mesh, P("data"))
+    replicated = parallel.replicated(mesh)
+    self._eval_fn = jax.jit(
+        lambda p, b: eval_step(p, b, model_config=model_config,
+                               label_smoothing=config.label_smoothing),
+        in_shardings=(replicated, self._sharding), out_shardings=replicated)
+    self._translator: translation.Translator | None = None
+
+  def __call__(self, params, step: int, *, averaged: bool = False) -> dict[str, float]:
+    """Evaluates `params` at `step`; the metrics go under "eval", or
+    "eval_averaged" for averaged checkpoints."""
+    result = self.loss(params)
+    if self.bleu_pairs:
+      result.update(self.translation_scores(params))
+    self.writer.write(step, result, prefix="eval_averaged" if averaged else "eval")
+    return result
+
+  def loss(self, params) -> dict[str, float]:
+    """Per-token eval loss, NLL, accuracy and perplexity (`summarize_sums`)."""
+    sums = None
+    for batch in data.eval_batches(self.loss_pairs, self.tokenizer,
+                                   batch_size=self.config.eval_batch_size,
+                                   max_length=self.config.max_length):
+      batch.pop("weights")
+      out = self._eval_fn(params, _shard(batch, self._sharding))
+      sums = out if sums is None else jax.tree_util.tree_map(jnp.add, sums, out)
+    return summarize_sums(sums)
+
+  def translation_scores(self, params) -> dict[str, float]:
+    """BLEU and exact match of the translations of `bleu_pairs`."""
+    if self._translator is None:
+      self._translator = translation.Translator(self.model_config, params, self.tokenizer)
+    else:
+      self._translator.set_params(params)
+    sources = [source for source, _ in self.bleu_pairs]
+    references = [target for _, target in self.bleu_pairs]
+    hypotheses = self._translator.translate(sources, method=self.config.eval_decode_method,
+                                            beam_size=self.config.eval_beam_size)
+    self.samples = list(zip(sources, references, hypotheses))
+    return {"bleu": metrics_lib.bleu(hypotheses, references),
+            "exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
+
+
+# ----------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        *, quiet: bool = False, train_pairs=None,
                        eval_pairs=None) -> TrainResult:
@@ -310,8 +358,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   `train_pairs` / `eval_pairs` (sequences of (source, target) strings) replace
   the data source of `config.data`, e.g. for sentence pairs held in memory.
   """
-  from transformer import translation  # (imports decoding; kept out of the step code)
-
   _check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -324,160 +370,163 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = get_tokenizer(config, workdir, train_pairs)
   model_config = model_config_from(config, tokenizer.vocab_size)
   if is_main:
-    write_json(os.path.join(workdir, CONFIG_FILE), config.to_dict())
-    write_json(os.path.join(workdir, MODEL_CONFIG_FILE), model_config.to_dict())
+    workdir_lib.save_configs(workdir, config.to_dict(), model_config)
 
   mesh = parallel.make_mesh()
-  replicated = parallel.replicated(mesh)
-  batch_sharding = NamedSharding(mesh, P(None, "data"))   # [accumulation, rows, length]
-  eval_sharding = NamedSharding(mesh, P("data"))
   optimizer, schedule = make_optimizer(config, model_config.d_model)
-
   state = jax.jit(lambda: create_train_state(model_config, optimizer, config.seed),
-                  out_shardings=replicated)()
-  process_index, process_count = parallel.process_info()
-  local_rows = config.batch_size // process_count
-  train_iter = data.train_iterator(
-      train_pairs, tokenizer, batch_size=local_rows, max_length=config.max_length,
-      seed=config.seed, shard_index=process_index, shard_count=process_count,
-      pack=config.pack)
-
+                  out_shardings=parallel.replicated(mesh))()
+  train_iter = _train_iterator(config, train_pairs, tokenizer)
   ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
                                   save_every=config.checkpoint_every)
+  state, start_step = _resume(ckpt, state, train_iter, workdir)
+
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
+  evaluate = Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer)
+  state, step, train_summary = _train_steps(
+      state, start_step, config=config, workdir=workdir,
+      step_fn=_jit_train_step(config, model_config, optimizer, schedule, mesh),
+      train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer,
+      progress=metrics_lib.progress_bar(start_step, config.num_train_steps,
+                                        enabled=is_main and not quiet))
+
+  final_params, averaged = _average_last_checkpoints(config, workdir, ckpt, state, mesh)
+  ckpt.close()
+  eval_summary = evaluate(final_params, step, averaged=averaged)
+  writer.close()
+  return TrainResult(step=step, train=train_summary, eval=eval_summary,
+                     samples=evaluate.samples, workdir=workdir)
+
+
+def _train_iterator(config, train_pairs, tokenizer):
+  """This process's shard of the training data, packed into token batches."""
+  process_index, process_count = parallel.process_info()
+  return data.train_iterator(
+      train_pairs, tokenizer, batch_size=config.batch_size // process_count,
+      max_length=config.max_length, seed=config.seed, shard_index=process_index,
+      shard_count=process_count, pack=config.pack)
+
+
+def _resume(ckpt: checkpoints.Checkpointer, state: dict, train_iter, workdir: str):
+  """(state, step) of the last checkpoint, the data position restored with
+  it; (state, 0) as given when there is none."""
   start_step = ckpt.latest_step() or 0
   if start_step:
     state, data_state = ckpt.restore(state)
     if data_state is not None:
       train_iter.set_state(data_state)
     logger.info("Resumed from step %d in %s", start_step, workdir)
+  return state, start_step
 
+
+def _jit_train_step(config, model_config, optimizer, schedule, mesh):
+  """(state, this process's batch of numpy arrays `[accumulation, rows,
+  length]`) -> (state, metrics): `train_step` jitted over the mesh, the batch
+  sharded on rows, the state replicated and donated."""
+  replicated = parallel.replicated(mesh)
+  batch_sharding = NamedSharding(mesh, P(None, "data"))
   step_fn = jax.jit(
       lambda s, b: train_step(s, b, model_config=model_config, optimizer=optimizer,
                               schedule=schedule, label_smoothing=config.label_smoothing),
       in_shardings=(replicated, batch_sharding), out_shardings=(replicated, replicated),
       donate_argnums=0)
-  eval_fn = jax.jit(
-      lambda p, b: eval_step(p, b, model_config=model_config,
-                             label_smoothing=config.label_smoothing),
-      in_shardings=(replicated, eval_sharding), out_shardings=replicated)
+  return lambda state, batch: step_fn(state, _shard(batch, batch_sharding))
 
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
-  progress = metrics_lib.progress_bar(start_step, config.num_train_steps,
-                                      enabled=is_main and not quiet)
 
-  translator = None  # one for every evaluation, so its decoders compile once
+def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train_iter,
+                 ckpt: checkpoints.Checkpointer, evaluate: Evaluator,
+                 writer: metrics_lib.MetricsWriter, progress) -> tuple[dict, int, dict]:
+  """Trains from `step` to `config.num_train_steps`: metrics every `log_every`
+  steps, evaluation every `eval_every`, a checkpoint every `checkpoint_every`
+  and at the end. Returns (state, step, the last train metrics).
 
-  def evaluate(params, step, final=False) -> dict[str, float]:
-    nonlocal translator
-    sums = None
-    eval_rows = config.eval_batch_size
-    for batch in data.eval_batches(eval_pairs[:config.num_eval_examples] if config.num_eval_examples
-                                   else eval_pairs, tokenizer, batch_size=eval_rows,
-                                   max_length=config.max_length):
-      batch.pop("weights")
-      out = eval_fn(params, _shard(batch, eval_sharding))
-      sums = out if sums is None else jax.tree_util.tree_map(jnp.add, sums, out)
-    result = summarize_sums(sums)
-    if config.num_bleu_examples:
-      if translator is None:
-        translator = translation.Translator(model_config, params, tokenizer)
-      else:
-        translator.set_params(params)
-      subset = list(eval_pairs[:config.num_bleu_examples])
-      hyps = translator.translate([s for s, _ in subset], method=config.eval_decode_method,
-                                  beam_size=config.eval_beam_size)
-      refs = [t for _, t in subset]
-      result["bleu"] = metrics_lib.bleu(hyps, refs)
-      result["exact_match"] = float(np.mean([h == r for h, r in zip(hyps, refs)]))
-      result["_samples"] = list(zip([s for s, _ in subset], refs, hyps))
-    writer.write(step, {k: v for k, v in result.items() if not k.startswith("_")},
-                 prefix="eval_averaged" if final else "eval")
-    return result
+  Never loses work: interrupted (KeyboardInterrupt), it saves what was trained
+  so far (if it is sane) before stopping; on any other error it lets a save in
+  flight finish. A NaN/inf loss raises TrainingDiverged without saving.
+  """
+  train_summary: dict[str, float] = {}
+  window, window_start, last_log_step = None, time.perf_counter(), step
+  metrics = None
 
-  def check_finite(metrics, step):
-    loss = float(metrics["loss"])
-    if not math.isfinite(loss):
-      # An async save of an earlier (finite) step may still be in flight: let it
-      # commit, so that the checkpoint named below exists when we stop.
-      ckpt.wait()
-      last = ckpt.latest_step()
-      raise TrainingDiverged(
-          f"The training loss became {loss} at step {step}. Stopped without saving; the "
-          f"last good checkpoint is {'step %d' % last if last else 'none'} in "
-          f"{os.path.join(workdir, checkpoints.CHECKPOINT_DIR)}. Lower the learning rate "
-          "(--config.learning_rate_scale), lengthen warm-up (--config.warmup_steps) or "
-          "set --config.grad_clip_norm, then run again: training resumes from there.")
-
-  def save(step, metrics, force=False):
-    check_finite(metrics, step)
+  def save(force=False):
+    _check_finite(float(metrics["loss"]), step, ckpt, workdir)
     ckpt.save(step, state, data_state=train_iter.get_state(), force=force)
 
-  step = start_step
-  train_summary: dict[str, float] = {}
-  eval_summary: dict[str, float] = {}
-  window, window_start = None, time.perf_counter()
-  metrics = None
-  last_log_step = start_step
   try:
     while step < config.num_train_steps:
-      batch = _shard(_stack_micro_batches(train_iter, config.grad_accum_steps), batch_sharding)
-      state, metrics = step_fn(state, batch)
+      state, metrics = step_fn(state, _stack_micro_batches(train_iter, config.grad_accum_steps))
       step += 1
+      last = step == config.num_train_steps
       window = metrics if window is None else jax.tree_util.tree_map(jnp.add, window, metrics)
       progress.update(1)
-      if step % config.log_every == 0 or step == config.num_train_steps:
+      if step % config.log_every == 0 or last:
         window = jax.device_get(window)
-        check_finite(window, step)
-        elapsed = time.perf_counter() - window_start
-        train_summary = summarize_sums(window)
-        n_steps, last_log_step = step - last_log_step, step
-        train_summary.update(
-            learning_rate=float(metrics["learning_rate"]),
-            grad_norm=float(metrics["grad_norm"]),
-            tokens_per_second=float(window["weight"]) / max(elapsed, 1e-9),
-            steps_per_second=n_steps / max(elapsed, 1e-9))
+        _check_finite(float(window["loss"]), step, ckpt, workdir)
+        train_summary = _train_summary(window, metrics, time.perf_counter() - window_start,
+                                       step - last_log_step)
         writer.write(step, train_summary, prefix="train")
         progress.set_postfix(loss=f"{train_summary['loss']:.3f}",
                              acc=f"{train_summary['accuracy']:.3f}")
-        window, window_start = None, time.perf_counter()
-      if step % config.eval_every == 0 and step != config.num_train_steps:
-        eval_summary = evaluate(state["params"], step)
-        progress.write(metrics_lib.format_eval(step, eval_summary))
+        window, window_start, last_log_step = None, time.perf_counter(), step
+      if step % config.eval_every == 0 and not last:
+        progress.write(metrics_lib.format_eval(step, evaluate(state["params"], step)))
         window_start = time.perf_counter()
-      if ckpt.should_save(step) or step == config.num_train_steps:
-        save(step, metrics, force=step == config.num_train_steps)
+      if ckpt.should_save(step) or last:
+        save(force=last)
   except KeyboardInterrupt:
-    # Never lose work: keep what was trained so far (if it is sane), then stop.
     if metrics is not None and step > (ckpt.latest_step() or 0):
       progress.write(f"Interrupted: saving a checkpoint at step {step} ...")
-      save(step, metrics, force=True)
+      save(force=True)
     ckpt.close()
     train_iter.close()
     raise
   except BaseException:
-    # Let a save already in flight finish (it holds good state), then stop.
-    ckpt.close()
+    ckpt.close()  # lets a save already in flight finish (it holds good state)
     train_iter.close()
     raise
   finally:
     progress.close()
   ckpt.wait()
   train_iter.close()
+  return state, step, train_summary
 
-  # The paper averages the last 5 (base) or 20 (big) checkpoints.
-  final_params = state["params"]
-  final_prefix_averaged = False
-  steps = ckpt.all_steps()
-  if config.average_last > 1 and len(steps) > 1:
-    averaged, averaged_steps = checkpoints.average_and_save(
-        workdir, state["params"], num=config.average_last)
-    final_params = parallel.replicate(averaged, mesh)
-    final_prefix_averaged = True
-    logger.info("Averaged checkpoints %s", averaged_steps)
-  ckpt.close()
-  eval_summary = evaluate(final_params, step, final=final_prefix_averaged)
-  writer.close()
-  samples = eval_summary.pop("_samples", [])
-  return TrainResult(step=step, train=train_summary,
-                     eval={k: v for k, v in eval_summary.items()},
-                     samples=samples, workdir=workdir)
+
+def _train_summary(window: dict, metrics: dict, seconds: float, steps: int) -> dict[str, float]:
+  """The train metrics of a logging window: per-token averages of its summed
+  metrics, the last step's learning rate and gradient norm, and speeds."""
+  summary = summarize_sums(window)
+  summary.update(learning_rate=float(metrics["learning_rate"]),
+                 grad_norm=float(metrics["grad_norm"]),
+                 tokens_per_second=float(window["weight"]) / max(seconds, 1e-9),
+                 steps_per_second=steps / max(seconds, 1e-9))
+  return summary
+
+
+def _check_finite(loss: float, step: int, ckpt: checkpoints.Checkpointer, workdir: str) -> None:
+  """Raises TrainingDiverged, naming the last good checkpoint, if `loss` is NaN or inf."""
+  if math.isfinite(loss):
+    return
+  # An async save of an earlier (finite) step may still be in flight: let it
+  # commit, so that the checkpoint named below exists when we stop.
+  ckpt.wait()
+  last = ckpt.latest_step()
+  raise TrainingDiverged(
+      f"The training loss became {loss} at step {step}. Stopped without saving; the "
+      f"last good checkpoint is {'step %d' % last if last else 'none'} in "
+      f"{os.path.join(workdir, checkpoints.CHECKPOINT_DIR)}. Lower the learning rate "
+      "(--config.learning_rate_scale), lengthen warm-up (--config.warmup_steps) or "
+      "set --config.grad_clip_norm, then run again: training resumes from there.")
+
+
+def _average_last_checkpoints(config, workdir: str, ckpt: checkpoints.Checkpointer,
+                              state: dict, mesh) -> tuple[dict, bool]:
+  """(params to evaluate last, whether they are averaged): as the paper did,
+  the average of the last `config.average_last` checkpoints (5 base, 20 big),
+  saved in the workdir; the final state's params when there is nothing to
+  average."""
+  if config.average_last <= 1 or len(ckpt.all_steps()) <= 1:
+    return state["params"], False
+  averaged, averaged_steps = checkpoints.average_and_save(
+      workdir, state["params"], num=config.average_last)
+  logger.info("Averaged checkpoints %s", averaged_steps)
+  return parallel.replicate(averaged, mesh), True

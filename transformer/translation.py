@@ -2,7 +2,8 @@
 
 `Translator` ties the model (`model.py`), a decoding strategy (`decoding.py`)
 and the vocabulary (`tokenizer.py`) together. It is what `decode.py`, the
-training loop's BLEU evaluation and the notebook API use.
+training loop's BLEU evaluation and the notebook API use (`workdir.py` loads
+one from a trained workdir).
 
 How a list of sentences is decoded:
   1. Tokenize; append EOS; inputs longer than the model's `max_len` are
@@ -24,7 +25,6 @@ length rounded up to its bucket).
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Sequence
 
@@ -43,6 +43,54 @@ METHODS = ("greedy", "beam", "sample")
 MIN_BUCKET = 8
 
 
+class OptionError(ValueError):
+  """An option value that cannot be used. `str(e)` reads "option=value:
+  problem"; `option`, `value` and `problem` are kept apart so that a command
+  line can name its flag instead (decode.py: "--option=value: problem")."""
+
+  def __init__(self, option: str, value, problem: str):
+    super().__init__(f"{option}={value}: {problem}")
+    self.option, self.value, self.problem = option, value, problem
+
+
+def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
+                  max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
+                  batch_size: int = 32) -> None:
+  """Raises OptionError naming the first of `Translator.translate`'s options
+  (same names and defaults) whose value cannot be used, and what to do."""
+  if method not in METHODS:
+    raise OptionError("method", method,
+                      f"unknown decoding method; choose one of {', '.join(METHODS)}")
+  if beam_size < 1:
+    raise OptionError("beam_size", beam_size, "must be >= 1")
+  if n_best < 1:
+    raise OptionError("n_best", n_best, "must be >= 1")
+  if method == "beam" and n_best > beam_size:
+    raise OptionError("n_best", n_best, f"must be <= beam_size={beam_size} (beam search "
+                      "keeps beam_size hypotheses); raise beam_size or lower n_best")
+  if method == "greedy" and n_best > 1:
+    raise OptionError("n_best", n_best, "greedy search has one hypothesis; use "
+                      "method=beam or method=sample for several")
+  if not 0.0 < top_p <= 1.0:
+    raise OptionError("top_p", top_p, "must be in (0, 1] (1 = no nucleus filtering)")
+  if top_k < 0:
+    raise OptionError("top_k", top_k, "must be >= 0 (0 = no top-k filtering)")
+  if temperature < 0:
+    raise OptionError("temperature", temperature, "must be >= 0 (0 = greedy)")
+  if length_penalty < 0:
+    raise OptionError("length_penalty", length_penalty,
+                      "must be >= 0 (0 = no length penalty)")
+  if max_len is not None and max_len < 1:
+    raise OptionError("max_len", max_len, "must be >= 1")
+  if min_len < 0:
+    raise OptionError("min_len", min_len, "must be >= 0")
+  if max_len is not None and min_len >= max_len:
+    raise OptionError("min_len", min_len, f"must be < max_len={max_len}")
+  if batch_size < 1:
+    raise OptionError("batch_size", batch_size, "must be >= 1")
+
+
 def bucket_length(length: int, max_length: int) -> int:
   """The padded length for an input of `length` tokens: the next power of two
   (at least MIN_BUCKET), capped at `max_length`."""
@@ -50,6 +98,36 @@ def bucket_length(length: int, max_length: int) -> int:
   while bucket < length:
     bucket *= 2
   return min(bucket, max_length)
+
+
+def length_buckets(encoded: Sequence[list[int]], max_length: int) -> list[tuple[int, list[int]]]:
+  """[(bucket length, indices of the inputs padded to it)], shortest bucket
+  first, each bucket's inputs shortest first; empty inputs are left out."""
+  todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
+  buckets: dict[int, list[int]] = {}
+  for i in todo:
+    buckets.setdefault(bucket_length(len(encoded[i]), max_length), []).append(i)
+  return sorted(buckets.items())
+
+
+def pack_batch(inputs: Sequence[list[int]], rows: int, length: int, copies: int) -> np.ndarray:
+  """`[rows, length]` int32: input r in rows r * copies ... r * copies + copies - 1
+  (copies > 1: one row per sample), padded with 0; the rows left over are empty."""
+  batch = np.zeros((rows, length), np.int32)
+  for r, ids in enumerate(inputs):
+    batch[r * copies:(r + 1) * copies, :len(ids)] = ids
+  return batch
+
+
+def unpack_hypotheses(seqs: np.ndarray, scores: np.ndarray, count: int, copies: int,
+                      n_best: int) -> list[list[tuple[np.ndarray, float]]]:
+  """The (token ids, score) hypotheses of each of the first `count` inputs of a
+  batch packed by `pack_batch`: its `copies` sample rows (copies > 1), else
+  the first n_best of its row. `seqs` [rows, n, length], `scores` [rows, n]."""
+  if copies > 1:
+    return [[(seqs[r * copies + c, 0], scores[r * copies + c, 0]) for c in range(copies)]
+            for r in range(count)]
+  return [[(seqs[r, k], scores[r, k]) for k in range(n_best)] for r in range(count)]
 
 
 class Translator:
@@ -158,91 +236,94 @@ class Translator:
       n_best > 1: a list (per input) of n_best (translation, score) pairs,
       best first for beam search.
     """
-    if method not in METHODS:
-      raise ValueError(f"method={method!r}: choose one of {METHODS}")
-    if n_best < 1 or (method == "beam" and n_best > beam_size):
-      raise ValueError(f"n_best={n_best} must be in [1, beam_size={beam_size}] for beam search")
-    if method == "greedy" and n_best > 1:
-      raise ValueError("n_best > 1 needs --method=beam or --method=sample")
-    if method == "sample" and temperature < 0:
-      raise ValueError(f"temperature={temperature} must be >= 0")
-    if not 0.0 < top_p <= 1.0:
-      raise ValueError(f"top_p={top_p} must be in (0, 1]")
-    if top_k < 0 or batch_size < 1 or beam_size < 1:
-      raise ValueError("top_k must be >= 0, batch_size and beam_size >= 1")
-
+    check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
+                  max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,
+                  top_p=top_p, n_best=n_best, batch_size=batch_size)
     start = time.perf_counter()
-    cfg, tok = self.config, self.tokenizer
-    limit = cfg.max_len
-    encoded, truncated = [], 0
-    for text in sentences:
-      ids = tok.encode(text) if text.strip() else []
-      if len(ids) + 1 > limit:
-        ids, truncated = ids[:limit - 1], truncated + 1
-      encoded.append(ids + [cfg.eos_id] if ids else [])
-
-    # Rows repeated for sampling several hypotheses.
-    copies = n_best if method == "sample" else 1
+    encoded, truncated = self._encode(sentences)
+    copies = n_best if method == "sample" else 1  # one row per sample of an input
+    rows = self._batch_rows(batch_size, copies)
+    options = (float(length_penalty), float(temperature), float(top_p), int(min_len))
     results: list[list[tuple[str, float]]] = [[("", 0.0)] * n_best for _ in sentences]
-    todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
-    devices = len(self.mesh.devices.flat)
-    # At least one input's `copies` sample rows must fit in a batch.
-    rows = -(-max(batch_size, copies) // devices) * devices
-    buckets: dict[int, list[int]] = {}
-    for i in todo:
-      buckets.setdefault(bucket_length(len(encoded[i]), limit), []).append(i)
-
-    bar = tqdm.tqdm(total=len(todo), unit="sent", disable=not progress, desc="decode",
-                    dynamic_ncols=True)
+    buckets = length_buckets(encoded, self.config.max_len)
+    decoded = sum(len(members) for _, members in buckets)
     generated, compile_seconds = 0, 0.0
     rng = jax.random.key(seed)
-    for src_len, members in sorted(buckets.items()):
-      out_len = max_len
-      if out_len is None:  # rounded up to whole early-exit chunks: one compilation, not two
-        chunk = decoding.EARLY_EXIT_CHUNK
-        out_len = -(-(src_len + extra_len) // chunk) * chunk
-      if cfg.positional == "learned":  # no position embedding past cfg.max_len (NaN)
-        out_len = min(out_len, cfg.max_len)
+    bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
+                    dynamic_ncols=True)
+    for src_len, members in buckets:
+      shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
+               beam_size, top_k, early_exit)
       per_batch = max(1, rows // copies)
       for b0 in range(0, len(members), per_batch):
-        chunk = members[b0:b0 + per_batch]
-        inputs = np.zeros((rows, src_len), np.int32)
-        for r, i in enumerate(chunk):
-          for c in range(copies):
-            inputs[r * copies + c, :len(encoded[i])] = encoded[i]
-        rng, step_rng = jax.random.split(rng)
-        args = (self.params, self.logits_kernel, inputs, step_rng, float(length_penalty),
-                float(temperature), float(top_p), int(min_len))
-        key = (method, rows, src_len, out_len, beam_size, top_k, early_exit)
-        if key not in self._executables:  # compiled once per shape, timed apart
-          compile_start = time.perf_counter()
-          self._executables[key] = self._decode_fn(*key).lower(*args).compile()
-          compile_seconds += time.perf_counter() - compile_start
-        seqs, scores = self._executables[key](*args)
-        seqs, scores = np.asarray(seqs), np.asarray(scores)
-        for r, i in enumerate(chunk):
-          hyps = []
-          if method == "sample":
-            cand = [(seqs[r * copies + c, 0], scores[r * copies + c, 0]) for c in range(copies)]
-          else:
-            cand = [(seqs[r, k], scores[r, k]) for k in range(n_best)]
-          for seq, score in cand:
-            generated += int(np.sum(seq != 0))
-            hyps.append((tok.decode(seq.tolist()), float(score)))
-          results[i] = hyps
-        bar.update(len(chunk))
+        batch = members[b0:b0 + per_batch]
+        rng, batch_rng = jax.random.split(rng)
+        inputs = pack_batch([encoded[i] for i in batch], rows, src_len, copies)
+        seqs, scores, seconds = self._decode(shape, inputs, batch_rng, options)
+        compile_seconds += seconds
+        for i, hyps in zip(batch, unpack_hypotheses(seqs, scores, len(batch), copies, n_best)):
+          results[i] = [(self.tokenizer.decode(ids.tolist()), float(score))
+                        for ids, score in hyps]
+          generated += sum(int(np.sum(ids != 0)) for ids, _ in hyps)
+        bar.update(len(batch))
     bar.close()
-    elapsed = time.perf_counter() - start
-    # Tokens/s of the decoding itself: compilation happens once per shape.
-    self.last_stats = {"sentences": len(sentences), "decoded": len(todo),
-                       "truncated": truncated, "generated_tokens": generated,
-                       "seconds": elapsed, "compile_seconds": compile_seconds,
-                       "devices": devices,
-                       "tokens_per_second":
-                           generated / max(elapsed - compile_seconds, 1e-9)}
+    self.last_stats = self._stats(len(sentences), decoded, truncated, generated,
+                                  time.perf_counter() - start, compile_seconds)
     if n_best == 1:
       return [hyps[0][0] for hyps in results]
     return results
+
+  # -- the steps of `translate` ----------------------------------------------
+
+  def _encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
+    """(token ids + EOS per sentence, [] for a blank one; how many were
+    truncated to the model's max_len)."""
+    cfg, encoded, truncated = self.config, [], 0
+    for text in sentences:
+      ids = self.tokenizer.encode(text) if text.strip() else []
+      if len(ids) + 1 > cfg.max_len:
+        ids, truncated = ids[:cfg.max_len - 1], truncated + 1
+      encoded.append(ids + [cfg.eos_id] if ids else [])
+    return encoded, truncated
+
+  def _batch_rows(self, batch_size: int, copies: int) -> int:
+    """Rows of every decoding batch: `batch_size` (at least one input's
+    `copies` sample rows) rounded up to a multiple of the devices."""
+    devices = len(self.mesh.devices.flat)
+    return -(-max(batch_size, copies) // devices) * devices
+
+  def _output_length(self, src_len: int, max_len: int | None, extra_len: int) -> int:
+    """Most tokens generated for a bucket of inputs padded to `src_len`."""
+    out_len = max_len
+    if out_len is None:  # rounded up to whole early-exit chunks: one compilation, not two
+      chunk = decoding.EARLY_EXIT_CHUNK
+      out_len = -(-(src_len + extra_len) // chunk) * chunk
+    if self.config.positional == "learned":  # no position embedding past max_len (NaN)
+      out_len = min(out_len, self.config.max_len)
+    return out_len
+
+  def _decode(self, shape: tuple, inputs: np.ndarray, rng, options: tuple):
+    """Decodes one batch `inputs` [rows, src_len] with the decoder of `shape`
+    (`_decode_fn`'s arguments), compiled the first time this shape is seen.
+    Returns (sequences [rows, n, max_len], scores [rows, n], seconds spent
+    compiling), as numpy arrays."""
+    args = (self.params, self.logits_kernel, inputs, rng, *options)
+    seconds = 0.0
+    if shape not in self._executables:  # compiled once per shape, timed apart
+      compile_start = time.perf_counter()
+      self._executables[shape] = self._decode_fn(*shape).lower(*args).compile()
+      seconds = time.perf_counter() - compile_start
+    seqs, scores = self._executables[shape](*args)
+    return np.asarray(seqs), np.asarray(scores), seconds
+
+  def _stats(self, sentences: int, decoded: int, truncated: int, generated: int,
+             seconds: float, compile_seconds: float) -> dict[str, float]:
+    """`last_stats`: counts, times and tokens/s of the decoding itself
+    (compilation happens once per shape, so it is left out of the speed)."""
+    return {"sentences": sentences, "decoded": decoded, "truncated": truncated,
+            "generated_tokens": generated, "seconds": seconds,
+            "compile_seconds": compile_seconds, "devices": len(self.mesh.devices.flat),
+            "tokens_per_second": generated / max(seconds - compile_seconds, 1e-9)}
 
   def cross_attention(self, source: str, target: str | None = None):
     """Encoder-decoder attention weights of one sentence pair.
@@ -291,29 +372,3 @@ class Translator:
     self._compiled["cross_attention"] = fn
     return fn
 
-
-def load_translator(workdir: str, checkpoint: str | int = "auto") -> Translator:
-  """A Translator for a workdir written by train.py.
-
-  Args:
-    workdir: holds model_config.json, vocab.model and checkpoints.
-    checkpoint: "auto" (the averaged checkpoint if any, else the latest),
-      "averaged", "latest", or a step number.
-  Raises:
-    FileNotFoundError naming what is missing (and that train.py writes it).
-  """
-  import os
-  from transformer import checkpoints, tokenizer as tokenizer_lib, training
-  from transformer.model import init_params
-
-  if not os.path.isdir(workdir):
-    raise FileNotFoundError(f"workdir {workdir} does not exist; train a model first: "
-                            f"python train.py --workdir={workdir}")
-  workdir = os.path.abspath(workdir)  # orbax restores only from absolute paths
-  model_config = training.load_model_config(workdir)
-  tokenizer = tokenizer_lib.load_tokenizer(os.path.join(workdir, training.VOCAB_FILE))
-  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
-  if isinstance(checkpoint, str) and checkpoint.isdigit():
-    checkpoint = int(checkpoint)
-  params = checkpoints.load_params(workdir, target, which=checkpoint)
-  return Translator(model_config, params, tokenizer)

@@ -1,0 +1,64 @@
+"""Tests for transformer/translation.py's option check (the Translator itself
+is exercised on a trained model in test_api.py and test_decode_cli.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from transformer import translation
+
+
+@pytest.mark.parametrize("options,option", [
+    (dict(method="viterbi"), "method"),
+    (dict(beam_size=0), "beam_size"),
+    (dict(n_best=0), "n_best"),
+    (dict(n_best=5), "n_best"),                        # > beam_size=4
+    (dict(method="greedy", n_best=2), "n_best"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(length_penalty=-1.0), "length_penalty"),
+    (dict(max_len=0), "max_len"),
+    (dict(min_len=-1), "min_len"),
+    (dict(max_len=5, min_len=5), "min_len"),
+    (dict(batch_size=0), "batch_size"),
+])
+def test_check_options_names_the_option_and_its_value(options, option):
+  with pytest.raises(translation.OptionError) as info:
+    translation.check_options(**options)
+  error = info.value
+  assert isinstance(error, ValueError)
+  assert (error.option, error.value) == (option, options[option])
+  assert str(error) == f"{option}={options[option]}: {error.problem}"
+
+
+def test_check_options_accepts_every_usable_value():
+  translation.check_options()                       # translate()'s defaults
+  translation.check_options(method="beam", beam_size=4, n_best=4)
+  translation.check_options(method="sample", n_best=3, top_p=1.0, top_k=0,
+                            temperature=0.0, length_penalty=0.0, min_len=4, max_len=5)
+  for method in translation.METHODS:
+    translation.check_options(method=method)
+
+
+def test_length_buckets_group_shortest_first_and_skip_empty_inputs():
+  encoded = [[5] * 3, [], [5] * 10, [5] * 9, [5] * 2, [5] * 40]
+  assert translation.length_buckets(encoded, max_length=32) == [
+      (8, [4, 0]), (16, [3, 2]), (32, [5])]              # 40 tokens: capped at 32
+
+
+def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():
+  inputs = [[7, 8, 1], [9, 1]]
+  batch = translation.pack_batch(inputs, rows=6, length=4, copies=2)
+  np.testing.assert_array_equal(batch, [[7, 8, 1, 0], [7, 8, 1, 0], [9, 1, 0, 0],
+                                        [9, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
+  # Decoder output [rows, n, length]: row r's k-th hypothesis is r * 10 + k.
+  seqs = np.arange(6)[:, None, None] * 10 + np.arange(3)[None, :, None] + np.zeros((1, 1, 2))
+  scores = seqs[..., 0] / 100
+  samples = translation.unpack_hypotheses(seqs, scores, count=2, copies=2, n_best=2)
+  assert [[int(ids[0]) for ids, _ in hyps] for hyps in samples] == [[0, 10], [20, 30]]
+  beams = translation.unpack_hypotheses(seqs, scores, count=2, copies=1, n_best=2)
+  assert [[int(ids[0]) for ids, _ in hyps] for hyps in beams] == [[0, 1], [10, 11]]
+  assert [score for _, score in beams[1]] == [0.1, 0.11]

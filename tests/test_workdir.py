@@ -1,0 +1,94 @@
+"""Tests for transformer/workdir.py: the files of a run directory, the
+vocabulary rule and the choice of checkpoint (on hand-made workdirs; loading a
+trained one is tested in test_api.py and test_decode_cli.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from transformer import checkpoints, workdir
+from transformer.model import TransformerConfig
+from transformer.translation import OptionError
+
+MODEL_CONFIG = TransformerConfig(vocab_size=64, d_model=32, num_heads=2, d_ff=64,
+                                 num_encoder_layers=1, num_decoder_layers=1)
+
+
+def make_workdir(path, *, vocab=True, config=None, steps=(), averaged=()):
+  """A workdir as train.py leaves it, with empty stand-ins for the vocabulary
+  and the finished checkpoint directories."""
+  workdir.save_configs(str(path), config or {"vocab_path": ""}, MODEL_CONFIG)
+  if vocab:
+    (path / workdir.VOCAB_FILE).write_bytes(b"a vocabulary")
+  for subdir, numbers in ((checkpoints.CHECKPOINT_DIR, steps),
+                          (checkpoints.AVERAGED_DIR, averaged)):
+    for step in numbers:
+      os.makedirs(path / subdir / str(step))
+  (path / checkpoints.CHECKPOINT_DIR).mkdir(exist_ok=True)
+  os.makedirs(path / checkpoints.CHECKPOINT_DIR / "32.orbax-checkpoint-tmp-7")  # unfinished
+  return str(path)
+
+
+def test_configs_round_trip(tmp_path):
+  run = make_workdir(tmp_path, config={"vocab_path": "", "seed": 3})
+  assert workdir.load_model_config(run) == MODEL_CONFIG
+  assert json.loads((tmp_path / workdir.CONFIG_FILE).read_text())["seed"] == 3
+
+
+def test_missing_or_broken_files_say_what_to_do(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist.*python train.py"):
+    workdir.check_files(str(tmp_path / "nowhere"))
+  with pytest.raises(FileNotFoundError, match="model_config.json not found.*train.py"):
+    workdir.check_files(str(tmp_path))
+  run = make_workdir(tmp_path, vocab=False)
+  with pytest.raises(FileNotFoundError, match="vocab.model not found.*train.py"):
+    workdir.check_files(run)
+  (tmp_path / workdir.MODEL_CONFIG_FILE).write_text('{"d_model": ')
+  with pytest.raises(ValueError, match="model_config.json is not a valid model config"):
+    workdir.load_model_config(run)
+
+
+def test_vocabulary_is_the_workdirs_else_the_configs(tmp_path):
+  shared = tmp_path / "shared.model"
+  run = make_workdir(tmp_path / "run", vocab=False, config={"vocab_path": str(shared)})
+  with pytest.raises(FileNotFoundError, match=f"nor the config's vocab_path {shared}"):
+    workdir.vocab_path(run)
+  shared.write_bytes(b"a vocabulary")
+  assert workdir.vocab_path(run) == str(shared)
+  own = tmp_path / "run" / workdir.VOCAB_FILE
+  own.write_bytes(b"its own")
+  assert workdir.vocab_path(run) == str(own)        # the workdir's own comes first
+
+
+@pytest.mark.parametrize("which,want", [("auto", "auto"), ("averaged", "averaged"),
+                                        ("latest", "latest"), ("12", 12), (12, 12)])
+def test_checkpoint_choice(which, want):
+  assert workdir.checkpoint_choice(which) == want
+
+
+@pytest.mark.parametrize("which", ["best", "-3", "", "١٢", -3])
+def test_checkpoint_choice_names_the_option(which):
+  with pytest.raises(OptionError) as info:
+    workdir.checkpoint_choice(which)
+  assert info.value.option == "checkpoint" and info.value.value == which
+
+
+def test_resolve_checkpoint(tmp_path):
+  run = make_workdir(tmp_path / "run", steps=[8, 16])
+  assert workdir.resolve_checkpoint(run, "auto") == 16      # no average: the latest
+  assert workdir.resolve_checkpoint(run, "latest") == 16
+  assert workdir.resolve_checkpoint(run, "8") == 8
+  with pytest.raises(workdir.CheckpointNotFound) as info:
+    workdir.resolve_checkpoint(run, "averaged")
+  assert info.value.value == "averaged"
+  assert "no averaged checkpoint" in info.value.problem and "latest" in info.value.problem
+  with pytest.raises(workdir.CheckpointNotFound, match=r"available steps: \[8, 16\]"):
+    workdir.resolve_checkpoint(run, 32)                     # only a temporary one
+  averaged = make_workdir(tmp_path / "averaged", steps=[8, 16], averaged=[16])
+  assert workdir.resolve_checkpoint(averaged, "auto") == "averaged"
+  empty = make_workdir(tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="no checkpoint in .*python train.py"):
+    workdir.resolve_checkpoint(empty, "latest")

@@ -1,0 +1,216 @@
+"""What a run directory (the workdir) holds, and how to load a translator from it.
+
+train.py writes, and decode.py, the Python API (`transformer.load_translator`)
+and the notebook read::
+
+    <workdir>/config.json            the full training config (CONFIG_FILE)
+    <workdir>/model_config.json      the TransformerConfig (MODEL_CONFIG_FILE)
+    <workdir>/vocab.model            the SentencePiece vocabulary (VOCAB_FILE)
+    <workdir>/checkpoints/           orbax checkpoints (checkpoints.CHECKPOINT_DIR)
+    <workdir>/checkpoints_averaged/  the average of the last ones (checkpoints.AVERAGED_DIR)
+    <workdir>/metrics.jsonl, tensorboard/   metrics (see metrics.py)
+
+The vocabulary rule: <workdir>/vocab.model, which train.py always writes (a copy
+of config.vocab_path when that is set, so that the workdir alone is enough to
+decode); a workdir without it (one whose vocab.model was deleted, or written
+before train.py made that copy) falls back to the vocab_path in its config.json.
+
+Which checkpoint: "auto" (the averaged one if there is one, else the latest),
+"averaged", "latest", or a step number; `resolve_checkpoint` turns that into
+"averaged" or a step, or an error that says what is missing and what to do.
+
+Every file written here is written whole or not at all (`atomic_write`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+
+from transformer import checkpoints
+from transformer.atomic_write import write_atomically
+from transformer.model import TransformerConfig, init_params
+from transformer.tokenizer import load_tokenizer
+from transformer.translation import OptionError, Translator
+
+CONFIG_FILE = "config.json"
+MODEL_CONFIG_FILE = "model_config.json"
+VOCAB_FILE = "vocab.model"
+CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
+
+
+class CheckpointNotFound(FileNotFoundError):
+  """The checkpoint asked for is not in the workdir. `str(e)` reads
+  "checkpoint=<which>: <problem>"; `option`, `value` and `problem` are kept
+  apart, as in `translation.OptionError`, so that a command line can name its
+  flag instead (decode.py: "--checkpoint=<which>: ...")."""
+
+  def __init__(self, value, problem: str):
+    super().__init__(f"checkpoint={value}: {problem}")
+    self.option, self.value, self.problem = "checkpoint", value, problem
+
+
+def _train_hint(workdir: str) -> str:
+  return f"train a model first: python train.py --workdir={workdir}"
+
+
+# ----------------------------------------------------------------------------
+# Configs and vocabulary
+# ----------------------------------------------------------------------------
+
+
+def save_configs(workdir: str, config: dict, model_config: TransformerConfig) -> None:
+  """Writes config.json (the training config, as a dict) and model_config.json."""
+  for name, value in ((CONFIG_FILE, config), (MODEL_CONFIG_FILE, model_config.to_dict())):
+    write_atomically(os.path.join(workdir, name),
+                     json.dumps(value, indent=2, sort_keys=True))
+
+
+def load_model_config(workdir: str) -> TransformerConfig:
+  """The TransformerConfig saved in `workdir`.
+
+  Raises:
+    FileNotFoundError: no model_config.json (not a workdir written by train.py).
+    ValueError: it is not a valid model config (edited by hand, truncated).
+  """
+  path = _model_config_path(workdir)
+  try:
+    with open(path) as f:
+      return TransformerConfig.from_dict(json.load(f))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{path} is not a valid model config ({e}); it is written by "
+                     "train.py, do not edit it") from None
+
+
+def _model_config_path(workdir: str) -> str:
+  """<workdir>/model_config.json, or FileNotFoundError if it is not there."""
+  path = os.path.join(workdir, MODEL_CONFIG_FILE)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} not found: {workdir} is not a workdir written by "
+                            f"train.py; {_train_hint(workdir)}")
+  return path
+
+
+def vocab_path(workdir: str) -> str:
+  """The workdir's vocabulary file (the rule is in the module docstring).
+
+  Raises FileNotFoundError naming what is missing and what to do.
+  """
+  path = os.path.join(workdir, VOCAB_FILE)
+  if os.path.exists(path):
+    return path
+  configured = ""
+  try:
+    with open(os.path.join(workdir, CONFIG_FILE)) as f:
+      configured = json.load(f).get("vocab_path") or ""
+  except (OSError, ValueError):
+    pass
+  if configured and os.path.exists(configured):
+    return configured
+  also = f" (nor the config's vocab_path {configured})" if configured else ""
+  raise FileNotFoundError(f"{path} not found{also}: the vocabulary is missing; "
+                          f"{_train_hint(workdir)} (it writes {VOCAB_FILE} first)")
+
+
+def check_files(workdir: str) -> None:
+  """Checks that `workdir` holds a model config and a vocabulary, without
+  loading anything (decode.py calls it before reading its input).
+
+  Raises FileNotFoundError naming the first thing missing and what to do.
+  """
+  if not os.path.isdir(workdir):
+    raise FileNotFoundError(f"workdir {workdir} does not exist; {_train_hint(workdir)}")
+  _model_config_path(workdir)
+  vocab_path(workdir)
+
+
+# ----------------------------------------------------------------------------
+# Which checkpoint
+# ----------------------------------------------------------------------------
+
+
+def checkpoint_choice(which: str | int) -> str | int:
+  """`which` as "auto", "averaged", "latest" or a step (int); a step may be
+  given as a string of digits (a command-line flag).
+
+  Raises OptionError for anything else.
+  """
+  if isinstance(which, str) and which.isascii() and which.isdigit():
+    return int(which)
+  if which in CHECKPOINT_CHOICES or (isinstance(which, int) and which >= 0):
+    return which
+  raise OptionError("checkpoint", which, "choose auto, averaged, latest or a step number")
+
+
+def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
+  """The checkpoint `which` names in `workdir`: "averaged" or a step number.
+
+  Reads only directory listings (nothing is loaded).
+  Raises:
+    OptionError: `which` is not a checkpoint choice (`checkpoint_choice`).
+    CheckpointNotFound: the averaged checkpoint or that step is not there.
+    FileNotFoundError: there is no checkpoint at all.
+  """
+  which = checkpoint_choice(which)
+  ckpt_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+  averaged_dir = os.path.join(workdir, checkpoints.AVERAGED_DIR)
+  has_averaged = bool(checkpoints.checkpoint_steps(workdir, checkpoints.AVERAGED_DIR))
+  if which == "auto":
+    which = "averaged" if has_averaged else "latest"
+  if which == "averaged":
+    if not has_averaged:
+      raise CheckpointNotFound(
+          which, f"no averaged checkpoint in {averaged_dir} (train.py writes one at the "
+          "end when --config.average_last > 1); use checkpoint=latest or a step number")
+    return "averaged"
+  steps = checkpoints.checkpoint_steps(workdir)
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: {_train_hint(workdir)} (it "
+                            "saves every --config.checkpoint_every steps and at the end)")
+  if which == "latest":
+    return steps[-1]
+  if which not in steps:
+    raise CheckpointNotFound(which, f"no checkpoint for step {which} in {ckpt_dir}; "
+                             f"available steps: {steps} (or use checkpoint=auto)")
+  return which
+
+
+# ----------------------------------------------------------------------------
+# The one loader
+# ----------------------------------------------------------------------------
+
+
+def load_translator(workdir: str, checkpoint: str | int = "auto", *,
+                    with_info: bool = False):
+  """A Translator for a workdir written by train.py.
+
+  Args:
+    workdir: holds model_config.json, the vocabulary and checkpoints.
+    checkpoint: "auto" (the averaged checkpoint if any, else the latest),
+      "averaged", "latest", or a step number.
+    with_info: also return what was loaded: `checkpoints.load_params`' info
+      ("kind": "averaged" | "step", "step", "path", and "averaged_steps").
+  Returns:
+    The Translator, or (Translator, info) with `with_info=True`.
+  Raises:
+    FileNotFoundError (CheckpointNotFound among them) naming what is missing
+    and what to do; ValueError for files that cannot be read (OptionError for
+    a `checkpoint` that is no choice).
+  """
+  check_files(workdir)
+  which = resolve_checkpoint(workdir, checkpoint)
+  workdir = os.path.abspath(workdir)  # orbax restores only from absolute paths
+  model_config = load_model_config(workdir)
+  tokenizer = load_tokenizer(vocab_path(workdir))
+  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
+  try:
+    params, info = checkpoints.load_params(workdir, target, which=which, with_info=True)
+  except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
+    raise FileNotFoundError(f"cannot load the parameters: {e}") from e
+  except ValueError as e:
+    raise ValueError(f"cannot load the parameters: {e}") from e
+  translator = Translator(model_config, params, tokenizer)
+  return (translator, info) if with_info else translator
