@@ -110,7 +110,7 @@ def matmul_floor(shape: str, rows: int):
 
 def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
   from transformer import data
-  from transformer.translation import load_translator
+  from transformer.workdir import load_translator
   translator = load_translator(workdir)
   sources = [s for s, _ in data.demo_splits()["test"]]
   times = {}
