@@ -56,3 +56,26 @@ def test_training_flop_model_counts_the_step_matmuls():
 
   _, _, flops = common.matmuls_alone(step, params)
   assert flops == common.training_flops_per_step(config, batch, src_len, tgt_len)
+
+
+def test_program_hash_ignores_where_the_code_lives_but_not_what_it_computes():
+  """fingerprint.program_hash: the same computation written in two places (other
+  lines, other function names) hashes the same; another computation does not."""
+  from benchmarks import fingerprint
+  x = jnp.ones((4, 8))
+
+  def scaled(v):
+    return jnp.tanh(v * 2.0) + 1.0
+
+  def moved_elsewhere(v):
+    return jnp.tanh(v * 2.0) + 1.0
+
+  def other(v):
+    return jnp.tanh(v * 3.0) + 1.0
+
+  compile_ = lambda f: jax.jit(f).lower(x).compile()
+  assert "scaled" in compile_(scaled).as_text()  # the source location is in the text
+  assert fingerprint.program_hash(compile_(scaled)) == fingerprint.program_hash(
+      compile_(moved_elsewhere))
+  assert fingerprint.program_hash(compile_(scaled)) != fingerprint.program_hash(
+      compile_(other))
