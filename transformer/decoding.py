@@ -472,6 +472,10 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with the GNMT length penalty.
 
+  One function on purpose: its step (`step_fn`) and stopping test (`done_fn`)
+  are closures over the search's constants, so the whole algorithm reads top
+  to bottom in one place, the way the text below describes it.
+
   Each input keeps `beam_size` alive hypotheses (no EOS yet, ranked by
   log-probability) and `beam_size` finished ones (ended by EOS, ranked by
   score). At every step the 2 * beam_size best one-token extensions of the alive

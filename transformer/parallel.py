@@ -74,6 +74,9 @@ def maybe_initialize_distributed(
 ) -> bool:
   """Calls `jax.distributed.initialize` when asked to; otherwise does nothing.
 
+  Long because it resolves each setting from an argument or the environment
+  and names whatever is missing, all before JAX creates a backend.
+
   Must run before any other JAX call that touches devices (jax.devices(),
   jnp arrays, jit, ...): JAX refuses to initialise the distributed runtime
   once a backend exists.

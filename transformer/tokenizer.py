@@ -131,6 +131,8 @@ def train_tokenizer(
 ) -> Tokenizer:
   """Trains a SentencePiece model in-process and writes it to `model_path`.
 
+  Long for its documentation and the trainer's options, each one set on purpose.
+
   Args:
     sentences: training text, one sentence per item (source and target
       sentences mixed: the vocabulary is shared). Only the first
