@@ -109,12 +109,13 @@ def test_missing_file(tmp_path):
     data.read_parallel_files(path, str(tmp_path / "t.txt"))
 
 
-def test_empty_file(tmp_path):
+@pytest.mark.parametrize("content", ["", "\n \r\n\t\n"])  # nothing, or only blank lines
+def test_empty_file(tmp_path, content):
   path = tmp_path / "empty.tsv"
-  path.write_text("")
+  path.write_text(content)
   with pytest.raises(data.DataError) as info:
     data.read_parallel_tsv(str(path))
-  assert str(path) in str(info.value) and "empty" in str(info.value) and "line 1" in str(info.value)
+  assert str(info.value) == f"{path}: file is empty (line 1). Put one example per line."
 
 
 def test_mismatched_line_counts(tmp_path):
@@ -143,8 +144,9 @@ def test_non_utf8_bytes(tmp_path):
   path.write_bytes(b"a\tb\nStra\xdfe\tstreet\n")
   with pytest.raises(data.DataError) as info:
     data.read_parallel_tsv(str(path))
-  msg = str(info.value)
-  assert f"{path}:2" in msg and "line 2" in msg and "UTF-8" in msg
+  msg = str(info.value)  # text_io.NotUtf8Error's message (tested in test_text_io.py)
+  assert msg.startswith(f"{path}:2: line 2, column 5: byte 0xdf is not valid UTF-8")
+  assert f"iconv -f latin1 -t utf-8 {path}" in msg
   good = tmp_path / "good.txt"
   good.write_text("x\ny\n")
   with pytest.raises(data.DataError, match=r"latin1.tsv:2"):

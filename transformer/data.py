@@ -61,6 +61,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from transformer import text_io
 from transformer.demo_task import demo_splits
 from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
@@ -89,32 +90,14 @@ class DataError(ValueError):
 
 
 def _read_lines(path: str) -> list[str]:
-  """Reads a UTF-8 text file into lines (without line terminators)."""
-  if not os.path.exists(path):
-    raise DataError(f"{path}: file not found. Check the path (or create the file).")
-  if os.path.isdir(path):
-    raise DataError(f"{path}: is a directory, expected a UTF-8 text file.")
-  with open(path, "rb") as f:
-    data = f.read()
-  if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 byte-order mark
-    data = data[3:]
-  if not data.strip():
+  """The lines of a UTF-8 text file (`text_io.read_lines`), which must not be
+  empty; DataError names the file (and the line of a non-UTF-8 byte)."""
+  try:
+    lines = text_io.read_lines(path)
+  except (text_io.TextFileError, text_io.NotUtf8Error) as e:
+    raise DataError(str(e)) from None
+  if not any(line.strip() for line in lines):
     raise DataError(f"{path}: file is empty (line 1). Put one example per line.")
-  raw_lines = data.split(b"\n")
-  if raw_lines[-1] == b"":  # the file ends with a newline
-    raw_lines.pop()
-  lines = []
-  for number, raw in enumerate(raw_lines, start=1):
-    if raw.endswith(b"\r"):
-      raw = raw[:-1]
-    try:
-      lines.append(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-      raise DataError(
-          f"{path}:{number}: line {number} is not valid UTF-8 (byte "
-          f"{raw[e.start:e.start + 1]!r} at column {e.start + 1}). Re-encode the "
-          f"file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {path}`."
-      ) from None
   return lines
 
 
