@@ -177,39 +177,6 @@ def load_translator(workdir: str, which: str | int):
   return translator, f"step {info['step']}"
 
 
-def _one_line(text: str, tabs: bool) -> str:
-  """A translation that cannot break the one-line-per-input format."""
-  text = text.replace("\r", " ").replace("\n", " ")
-  return text.replace("\t", " ") if tabs else text
-
-
-def format_lines(sources: list[str], results, n_best: int) -> list[str]:
-  """One output line per source: the translation, or its n_best hypotheses
-  joined by tabs; an empty (blank) source gives an empty line."""
-  if n_best == 1:
-    return [_one_line(t, tabs=False) for t in results]
-  return ["\t".join(_one_line(t, tabs=True) for t, _ in hyps) if src.strip() else ""
-          for src, hyps in zip(sources, results)]
-
-
-def _summary(stats: dict, described: str, method: str, plots: int | None) -> str:
-  line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
-          f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
-          f"(compiling {stats['compile_seconds']:.1f} s; "
-          f"{stats['tokens_per_second']:.1f} tokens/s decoding), {method}, {described}")
-  if stats.get("devices", 1) > 1:
-    line += f", on {stats['devices']} devices"
-  if plots is not None:
-    line += f", {plots} attention plots"
-  return line
-
-
-def _truncation_warning(stats: dict, max_len: int) -> str:
-  n = stats["truncated"]
-  return (f"warning: {n} input line{'s' if n != 1 else ''} longer than the model's "
-          f"max_len={max_len} tokens {'were' if n != 1 else 'was'} truncated")
-
-
 def run() -> None:
   """Cheap checks first (flags, workdir, outputs), before reading stdin or
   loading anything; then read, load, translate, write."""
@@ -233,7 +200,7 @@ def run() -> None:
   stats = dict(translator.last_stats)
   if n_best > 1 and method == "sample":  # samples come unordered: best first
     results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]
-  lines = format_lines(sources, results, n_best)
+  lines = translation.output_lines(sources, results, n_best)
   if len(lines) != len(sources):  # the contract of this tool; never write a misaligned file
     raise WorkdirError(f"internal error: {len(sources)} inputs gave {len(lines)} outputs")
   try:
@@ -248,9 +215,10 @@ def run() -> None:
     plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
                                                 progress=not quiet)
   if not quiet:
-    print(_summary(stats, described, method, plots), file=sys.stderr)
-  if stats.get("truncated"):
-    print(_truncation_warning(stats, translator.config.max_len), file=sys.stderr)
+    print(translation.summary_line(stats, method=method, checkpoint=described, plots=plots),
+          file=sys.stderr)
+  if warning := translation.truncation_warning(stats, translator.config.max_len):
+    print(warning, file=sys.stderr)
 
 
 def main(argv) -> int:
