@@ -39,8 +39,7 @@ import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
-from transformer import translation, workdir as workdir_lib
-from transformer.atomic_write import write_atomically
+from transformer import text_io, translation, workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "
@@ -99,11 +98,6 @@ class WorkdirError(Exception):
   """The workdir cannot be used, or decoding failed (exit status 1)."""
 
 
-# ----------------------------------------------------------------------------
-# Flags
-# ----------------------------------------------------------------------------
-
-
 def translate_options() -> dict:
   """`Translator.translate`'s options from the flags of the same names."""
   return dict(method=_METHOD.value, beam_size=_BEAM_SIZE.value,
@@ -132,106 +126,6 @@ def check_flags() -> None:
     raise UsageError(flag_error(e)) from None
 
 
-# ----------------------------------------------------------------------------
-# Input and output
-# ----------------------------------------------------------------------------
-
-
-def split_lines(data: bytes, name: str) -> list[str]:
-  """UTF-8 bytes -> lines. A final line without a newline counts; a trailing
-  newline does not start another line; '\\r\\n' endings are accepted.
-
-  Raises UsageError naming `name` and the 1-based line of a non-UTF-8 byte.
-  """
-  try:
-    text = data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    line = data.count(b"\n", 0, e.start) + 1
-    column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-    raise UsageError(
-        f"{name}, line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at byte "
-        f"{column} of the line); convert the input to UTF-8, e.g. "
-        f"iconv -f latin1 -t utf-8") from None
-  if text.startswith("\ufeff"):  # a UTF-8 byte-order mark is not part of the text
-    text = text[1:]
-  if not text:
-    return []
-  lines = text.split("\n")
-  if lines[-1] == "":
-    lines.pop()
-  return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def read_input(path: str | None) -> tuple[list[str], str]:
-  if path in (None, "-"):
-    name = "<stdin>"
-    data = sys.stdin.buffer.read()
-  else:
-    name = path
-    try:
-      with open(path, "rb") as f:
-        data = f.read()
-    except FileNotFoundError:
-      raise UsageError(f"--input={path}: no such file") from None
-    except IsADirectoryError:
-      raise UsageError(f"--input={path}: is a directory, not a text file") from None
-    except OSError as e:
-      raise UsageError(f"--input={path}: cannot read it ({e.strerror})") from None
-  return split_lines(data, name), name
-
-
-def check_output_path(path: str | None) -> None:
-  """Fails early (before loading the model) when the output cannot be written."""
-  if path in (None, "-"):
-    return
-  if os.path.isdir(path):
-    raise UsageError(f"--output={path}: is a directory; give a file name")
-  directory = os.path.dirname(os.path.abspath(path))
-  if not os.path.isdir(directory):
-    raise UsageError(f"--output={path}: directory {directory} does not exist")
-  if not os.access(directory, os.W_OK):
-    raise UsageError(f"--output={path}: cannot write in {directory}")
-
-
-def _one_line(text: str, tabs: bool) -> str:
-  """A translation that cannot break the one-line-per-input format."""
-  text = text.replace("\r", " ").replace("\n", " ")
-  return text.replace("\t", " ") if tabs else text
-
-
-def format_lines(sources: list[str], results, n_best: int) -> list[str]:
-  """One output line per source: the translation, or its n_best hypotheses
-  joined by tabs; an empty (blank) source gives an empty line."""
-  if n_best == 1:
-    return [_one_line(t, tabs=False) for t in results]
-  return ["\t".join(_one_line(t, tabs=True) for t, _ in hyps) if src.strip() else ""
-          for src, hyps in zip(sources, results)]
-
-
-def write_output(lines: list[str], path: str | None) -> None:
-  """Writes one line per item; a file atomically (temp file in the same
-  directory, fsync, rename), stdout at once."""
-  text = "".join(line + "\n" for line in lines)
-  if path in (None, "-"):
-    try:
-      sys.stdout.write(text)
-      sys.stdout.flush()
-    except BrokenPipeError:  # e.g. `| head`: the reader left, nothing to report
-      devnull = os.open(os.devnull, os.O_WRONLY)
-      os.dup2(devnull, sys.stdout.fileno())
-    return
-  try:
-    write_atomically(path, text)
-  except OSError as e:
-    raise WorkdirError(f"--output={path}: cannot write it ({e.strerror or e}); "
-                       "nothing was written") from None
-
-
-# ----------------------------------------------------------------------------
-# The workdir
-# ----------------------------------------------------------------------------
-
-
 def check_workdir(workdir: str, which: str) -> str | int:
   """The checkpoint --checkpoint names ("averaged" or a step), once the workdir
   is known to hold what decoding needs. Nothing is loaded: this runs before
@@ -243,6 +137,32 @@ def check_workdir(workdir: str, which: str) -> str | int:
     raise WorkdirError(flag_error(e)) from None
   except FileNotFoundError as e:
     raise WorkdirError(str(e)) from None
+
+
+def check_outputs(output_path: str | None, plot_dir: str | None) -> None:
+  """UsageError if --output cannot be written or --plot_attention cannot be
+  created: found before the model is loaded, not after decoding."""
+  if output_path:
+    try:
+      text_io.check_writable(output_path)
+    except text_io.TextFileError as e:
+      raise UsageError(f"--output={e.path}: {e.problem}") from None
+  if plot_dir:
+    try:
+      os.makedirs(plot_dir, exist_ok=True)
+    except OSError as e:
+      raise UsageError(f"--plot_attention={plot_dir}: cannot create it ({e.strerror})") from None
+
+
+def read_input(path: str | None) -> list[str]:
+  """The lines to translate (None: standard input); UsageError naming the
+  file (and the line of a byte that is not UTF-8) if they cannot be read."""
+  try:
+    return text_io.read_lines(path)
+  except text_io.TextFileError as e:
+    raise UsageError(f"--input={e.path}: {e.problem}") from None
+  except text_io.NotUtf8Error as e:
+    raise UsageError(str(e)) from None
 
 
 def load_translator(workdir: str, which: str | int):
@@ -257,59 +177,36 @@ def load_translator(workdir: str, which: str | int):
   return translator, f"step {info['step']}"
 
 
-# ----------------------------------------------------------------------------
-# main
-# ----------------------------------------------------------------------------
-
-
-def _summary(stats: dict, described: str, method: str, plots: int | None) -> str:
-  line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
-          f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
-          f"(compiling {stats['compile_seconds']:.1f} s; "
-          f"{stats['tokens_per_second']:.1f} tokens/s decoding), {method}, {described}")
-  if stats.get("devices", 1) > 1:
-    line += f", on {stats['devices']} devices"
-  if plots is not None:
-    line += f", {plots} attention plots"
-  return line
-
-
-def _truncation_warning(stats: dict, max_len: int) -> str:
-  n = stats["truncated"]
-  return (f"warning: {n} input line{'s' if n != 1 else ''} longer than the model's "
-          f"max_len={max_len} tokens {'were' if n != 1 else 'was'} truncated")
-
-
 def run() -> None:
+  """Cheap checks first (flags, workdir, outputs), before reading stdin or
+  loading anything; then read, load, translate, write."""
   check_flags()
-  workdir, quiet, method = _WORKDIR.value, _QUIET.value, _METHOD.value
-  # Cheap checks first: before reading stdin or loading anything.
-  which = check_workdir(workdir, _CHECKPOINT.value)
-  check_output_path(_OUTPUT.value)
+  workdir, quiet, method, n_best = _WORKDIR.value, _QUIET.value, _METHOD.value, _N_BEST.value
+  input_path, output_path = (None if flag.value in (None, "-") else flag.value
+                             for flag in (_INPUT, _OUTPUT))  # None: stdin, stdout
   plot_dir = _PLOT_ATTENTION.value
-  if plot_dir:
-    try:
-      os.makedirs(plot_dir, exist_ok=True)
-    except OSError as e:
-      raise UsageError(f"--plot_attention={plot_dir}: cannot create it ({e.strerror})") from None
+  which = check_workdir(workdir, _CHECKPOINT.value)
+  check_outputs(output_path, plot_dir)
 
-  if _INPUT.value in (None, "-") and sys.stdin.isatty() and not quiet:
+  if input_path is None and sys.stdin.isatty() and not quiet:
     print("Reading sentences from standard input (end with Ctrl-D) ...", file=sys.stderr)
-  sources, _ = read_input(_INPUT.value)
+  sources = read_input(input_path)
 
   if _CPU_DEVICES.value:
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)  # before any device use
   translator, described = load_translator(workdir, which)
-  n_best = _N_BEST.value
   results = translator.translate(sources, **translate_options(), seed=_SEED.value,
                                  progress=not quiet)
   stats = dict(translator.last_stats)
   if n_best > 1 and method == "sample":  # samples come unordered: best first
     results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]
-  lines = format_lines(sources, results, n_best)
+  lines = translation.output_lines(sources, results, n_best)
   if len(lines) != len(sources):  # the contract of this tool; never write a misaligned file
     raise WorkdirError(f"internal error: {len(sources)} inputs gave {len(lines)} outputs")
-  write_output(lines, _OUTPUT.value)
+  try:
+    text_io.write_lines(lines, output_path)
+  except text_io.TextFileError as e:
+    raise WorkdirError(f"--output={e.path}: {e.problem}") from None
 
   plots = None
   if plot_dir:
@@ -317,15 +214,11 @@ def run() -> None:
     best = results if n_best == 1 else [hyps[0][0] for hyps in results]
     plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
                                                 progress=not quiet)
-
   if not quiet:
-    print(_summary(stats, described, method, plots), file=sys.stderr)
-  if stats.get("truncated"):
-    print(_truncation_warning(stats, translator.config.max_len), file=sys.stderr)
-
-
-def _one_line_message(error: Exception) -> str:
-  return " ".join(str(error).split())
+    print(translation.summary_line(stats, method=method, checkpoint=described, plots=plots),
+          file=sys.stderr)
+  if warning := translation.truncation_warning(stats, translator.config.max_len):
+    print(warning, file=sys.stderr)
 
 
 def main(argv) -> int:
@@ -337,12 +230,9 @@ def main(argv) -> int:
   absl_logging.set_verbosity(absl_logging.WARNING)
   try:
     run()
-  except UsageError as e:
-    print(f"error: {_one_line_message(e)}", file=sys.stderr)
-    return 2
-  except WorkdirError as e:
-    print(f"error: {_one_line_message(e)}", file=sys.stderr)
-    return 1
+  except (UsageError, WorkdirError) as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
+    return 2 if isinstance(e, UsageError) else 1
   except KeyboardInterrupt:
     print("\nInterrupted (an --output file is only ever written whole).", file=sys.stderr)
     return 130

@@ -109,10 +109,10 @@ def matmul_floor(shape: str, rows: int):
 
 
 def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
-  from transformer import data
+  from transformer import demo_task
   from transformer.workdir import load_translator
   translator = load_translator(workdir)
-  sources = [s for s, _ in data.demo_splits()["test"]]
+  sources = [s for s, _ in demo_task.demo_splits()["test"]]
   times = {}
   outputs = {}
   for early_exit in (True, False):

@@ -1,4 +1,5 @@
-"""The embedded demo: English number phrases -> German, offline, minutes on a CPU.
+"""The embedded demo: English number phrases -> German, offline, minutes on a CPU
+(the task: transformer/demo_task.py).
 
     python train.py                          # this config, workdir runs/demo
     python train.py --config.num_train_steps=200 --config.model.d_model=64

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import transformer
-from transformer import data, training, translation
+from transformer import demo_task, training, translation
 from transformer import workdir as workdir_lib
 from transformer.tokenizer import UNK_ID
 
@@ -246,7 +246,7 @@ def test_train_from_pairs_in_memory(tmp_path, compilation_cache):
   # demo task's German ones (never seen here) are not.
   tok = translator.tokenizer
   assert UNK_ID not in tok.encode(" ".join(s + " " + t for s, t in train_pairs[:50]))
-  demo_german = data.demo_phrase(1, "big", "house")[1] + " Äpfel"   # 'ein großes Haus Äpfel'
+  demo_german = demo_task.demo_phrase(1, "big", "house")[1] + " Äpfel"   # 'ein großes Haus Äpfel'
   assert UNK_ID in tok.encode(demo_german)
 
   sources = [s for s, _ in eval_pairs]

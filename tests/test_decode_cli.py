@@ -244,10 +244,14 @@ def test_non_utf8_input_names_file_and_line(workdir, env, tmp_path):
   bad.write_bytes("one red cat\ntwo small cats\nfünf große Hunde\n".encode("latin-1"))
   out = tmp_path / "out.txt"
   result = run_decode(env, f"--workdir={workdir}", f"--input={bad}", f"--output={out}")
-  _error(result, f"{bad}, line 3", "UTF-8", code=2)
+  # The message of text_io.NotUtf8Error, as for training data: file, line,
+  # column (the "ü" of "fünf"), the byte, and the fix.
+  _error(result, f"{bad}:3: line 3, column 2: byte 0xfc is not valid UTF-8",
+         f"`iconv -f latin1 -t utf-8 {bad}`", code=2)
   assert not out.exists()  # nothing written
   result = run_decode(env, f"--workdir={workdir}", stdin=b"ok\n\xff\xfe\n")
-  _error(result, "<stdin>, line 2", "UTF-8", code=2)
+  _error(result, "<stdin>:2: line 2, column 1: byte 0xff is not valid UTF-8",
+         "pipe it through `iconv -f latin1 -t utf-8`", code=2)
 
 
 def test_missing_workdir_pieces_name_what_to_do(workdir, env, tmp_path):

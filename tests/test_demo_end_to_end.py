@@ -8,7 +8,7 @@ import sys
 import pytest
 import sacrebleu
 
-from transformer import data
+from transformer import demo_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,7 +22,7 @@ def test_train_py_then_decode_py_on_the_demo(tmp_path):
   assert train.returncode == 0, train.stderr[-3000:]
   assert "exact match" in train.stdout
 
-  test_pairs = data.demo_splits()["test"]
+  test_pairs = demo_task.demo_splits()["test"]
   sources = [s for s, _ in test_pairs]
   # Empty lines stay in place.
   lines = sources[:100] + [""] + sources[100:200]

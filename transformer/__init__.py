@@ -23,8 +23,9 @@ The building blocks live in the submodules: `transformer.model` (the Flax
 modules), `transformer.decoding` (greedy, beam search, sampling),
 `transformer.translation` (strings in, strings out), `transformer.workdir`
 (what a run directory holds, and the loader), `transformer.training`,
-`transformer.data`, `transformer.tokenizer`, `transformer.checkpoints`,
-`transformer.parallel`, `transformer.plotting`.
+`transformer.data`, `transformer.demo_task` (the demo's sentence pairs),
+`transformer.tokenizer`, `transformer.checkpoints`, `transformer.parallel`,
+`transformer.plotting`.
 """
 
 from transformer.host_memory import keep_freed_memory

@@ -52,7 +52,7 @@ _choose_backend()
 
 from matplotlib.figure import Figure  # noqa: E402  (after the backend choice)
 
-from transformer.atomic_write import write_atomically  # noqa: E402
+from transformer.text_io import write_atomically  # noqa: E402
 
 ATTENTION_CMAP = "Blues"
 CELL_INCHES = 0.28          # size of one heat-map cell

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from transformer.atomic_write import write_atomically
+from transformer.text_io import write_atomically
 
 PAD_ID = 0
 EOS_ID = 1

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
 from transformer import translation, workdir as workdir_lib
-from transformer.atomic_write import write_atomically
+from transformer.text_io import write_atomically
 from transformer.model import Transformer, TransformerConfig, init_params, shift_right
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ Which checkpoint: "auto" (the averaged one if there is one, else the latest),
 "averaged", "latest", or a step number; `resolve_checkpoint` turns that into
 "averaged" or a step, or an error that says what is missing and what to do.
 
-Every file written here is written whole or not at all (`atomic_write`).
+Every file written here is written whole or not at all (`text_io.write_atomically`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import os
 import jax
 
 from transformer import checkpoints
-from transformer.atomic_write import write_atomically
+from transformer.text_io import write_atomically
 from transformer.model import TransformerConfig, init_params
 from transformer.tokenizer import load_tokenizer
 from transformer.translation import OptionError, Translator
