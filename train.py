@@ -67,6 +67,7 @@ def main(argv):
   parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                         _PROCESS_ID.value)
   from transformer import training
+  from transformer import workdir as workdir_lib
 
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -75,7 +76,8 @@ def main(argv):
   workdir = _WORKDIR.value or default_workdir(config_path)
   try:
     result = training.train_and_evaluate(_CONFIG.value, workdir, quiet=_QUIET.value)
-  except (ValueError, FileNotFoundError, training.TrainingDiverged) as e:
+  except (ValueError, FileNotFoundError, training.TrainingDiverged,
+          workdir_lib.WorkdirLocked) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   except KeyboardInterrupt:

@@ -1,4 +1,6 @@
-"""Tests for `python train.py`: a tiny run end to end, and bad options.
+"""Tests for `python train.py`: a tiny run end to end, bad options, and the
+faults a user meets (a second run on a held workdir), each ending with one
+line on the console.
 
 Each case is a subprocess with a time limit. Successful runs share the
 session's persistent XLA compilation cache with tests/test_training.py.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +99,33 @@ def test_bad_options_exit_with_a_one_line_error(args, expected, tmp_path):
   for text in expected:
     assert text in errors[0], errors[0]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------
+# Faults a user meets: one clear line each, nothing lost
+# ----------------------------------------------------------------------------
+
+
+def one_error_line(proc) -> str:
+  """The process failed with exactly one "error:" line on the console and no
+  traceback (of its own or of a library's threads); that line."""
+  assert proc.returncode == 1, proc.stdout + proc.stderr[-5000:]
+  for noise in ("Traceback", "Event loop is closed", "strict=False", "RESOURCE_EXHAUSTED"):
+    assert noise not in proc.stderr, proc.stderr[-5000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, proc.stderr[-5000:]
+  return errors[0]
+
+
+def test_a_second_run_on_a_held_workdir_stops_at_once(tmp_path):
+  """Two runs on one workdir: the second stops before writing anything,
+  naming the holder (here this test process, holding the lock)."""
+  from transformer import workdir as workdir_lib
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  with workdir_lib.hold(str(workdir)):
+    proc = train_py([f"--workdir={workdir}", "--quiet", *tiny_flags()], env_for())
+  error = one_error_line(proc)
+  assert f"workdir {workdir} is in use by another training run" in error
+  assert f"PID {os.getpid()} on host {socket.gethostname()}" in error
+  assert [p.name for p in workdir.iterdir()] == [workdir_lib.LOCK_FILE]

@@ -330,6 +330,7 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
   assert model_config["d_model"] == 32 and model_config["num_heads"] == 2
   assert checkpoints.checkpoint_steps(tmp_path) == [50, 100]
   assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+  assert (tmp_path / workdir_lib.LOCK_FILE).read_text() == ""     # released
 
   records = read_metrics(tmp_path)
   train_steps = [r["step"] for r in records if r["split"] == "train"]
@@ -364,6 +365,14 @@ def test_bad_configs_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match=match):
       training.train_and_evaluate(config, str(tmp_path / "w"), quiet=True)
   assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
+  """The Python API takes the workdir's lock too (train.py: test_train_cli.py)."""
+  with workdir_lib.hold(str(tmp_path)):
+    with pytest.raises(workdir_lib.WorkdirLocked, match=f"PID {os.getpid()} on host"):
+      train(tmp_path, REF)
+  assert [p.name for p in tmp_path.iterdir()] == [workdir_lib.LOCK_FILE]
 
 
 # ----------------------------------------------------------------------------

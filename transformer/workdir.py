@@ -9,6 +9,7 @@ and the notebook read::
     <workdir>/checkpoints/           orbax checkpoints (checkpoints.CHECKPOINT_DIR)
     <workdir>/checkpoints_averaged/  the average of the last ones (checkpoints.AVERAGED_DIR)
     <workdir>/metrics.jsonl, tensorboard/   metrics (see metrics.py)
+    <workdir>/train.lock             held by the run training here (LOCK_FILE)
 
 The vocabulary rule: <workdir>/vocab.model, which train.py always writes (a copy
 of config.vocab_path when that is set, so that the workdir alone is enough to
@@ -20,13 +21,24 @@ Which checkpoint: "auto" (the averaged one if there is one, else the latest),
 "averaged" or a step, or an error that says what is missing and what to do.
 
 Every file written here is written whole or not at all (`atomic_write`).
+
+One run at a time: `hold` locks the workdir for a training run (an OS file
+lock on train.lock, so that a run killed with SIGKILL leaves no stale lock);
+a second run stops at once, naming the holder. Readers (decode.py, the
+loader) take no lock: they read finished checkpoints only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import errno
+import fcntl
 import functools
 import json
+import logging
 import os
+import socket
 
 import jax
 
@@ -39,7 +51,10 @@ from transformer.translation import OptionError, Translator
 CONFIG_FILE = "config.json"
 MODEL_CONFIG_FILE = "model_config.json"
 VOCAB_FILE = "vocab.model"
+LOCK_FILE = "train.lock"
 CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointNotFound(FileNotFoundError):
@@ -125,6 +140,101 @@ def check_files(workdir: str) -> None:
     raise FileNotFoundError(f"workdir {workdir} does not exist; {_train_hint(workdir)}")
   _model_config_path(workdir)
   vocab_path(workdir)
+
+
+# ----------------------------------------------------------------------------
+# One run at a time
+# ----------------------------------------------------------------------------
+
+
+class WorkdirLocked(RuntimeError):
+  """Another training run holds the workdir (`hold`); `holder` is what it
+  wrote in the lock file ({"pid", "host", "started"}, {} if unreadable)."""
+
+  def __init__(self, workdir: str, holder: dict):
+    who = (f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}"
+           + (f", started {holder['started']}" if holder.get("started") else ""))
+    super().__init__(
+        f"workdir {workdir} is in use by another training run ({who}). Wait for it to "
+        "finish or stop it, or train into another --workdir. (decode.py may read a "
+        "workdir while it trains.)")
+    self.workdir, self.holder = workdir, holder
+
+
+@contextlib.contextmanager
+def hold(workdir: str):
+  """Holds `workdir` for one training run: the first thing a run does there,
+  before it writes anything.
+
+  On the local file system this is an OS lock (`fcntl.flock`) on
+  <workdir>/train.lock, which holds the holder's PID, host and start time
+  for the message a second run prints; the OS drops the lock when its
+  process ends, however it ends, so a run killed with SIGKILL leaves no stale
+  lock and the lock file itself is never deleted (deleting it would let two
+  runs lock two different files). With several processes (hosts), process 0
+  locks and all of them stop if it cannot. A file system without locks (some
+  network or FUSE mounts) gets a warning and no lock.
+
+  Raises WorkdirLocked naming the holder.
+  """
+  fd = None
+  refused = None
+  if jax.process_index() == 0:
+    try:
+      fd = _lock(os.path.join(workdir, LOCK_FILE))
+    except WorkdirLocked as e:
+      refused = e
+  if jax.process_count() > 1:
+    import numpy as np
+    from jax.experimental import multihost_utils
+    locked = bool(multihost_utils.broadcast_one_to_all(np.int32(refused is None)))
+    if not locked and refused is None:  # (process 0 could not lock it)
+      refused = WorkdirLocked(workdir, _lock_holder(os.path.join(workdir, LOCK_FILE)))
+  if refused is not None:
+    raise refused
+  try:
+    yield
+  finally:
+    if fd is not None:
+      _unlock(fd)
+
+
+def _lock(path: str) -> int | None:
+  """The open, locked lock file (its descriptor), its content this process's
+  PID, host and time; None where the file system has no locks."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    os.close(fd)
+    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+      raise WorkdirLocked(os.path.dirname(path), _lock_holder(path)) from None
+    logger.warning("Cannot lock %s (%s): make sure no other run trains in this workdir.",
+                   path, e)
+    return None
+  holder = {"pid": os.getpid(), "host": socket.gethostname(),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+  return fd
+
+
+def _unlock(fd: int | None) -> None:
+  if fd is None:
+    return
+  os.ftruncate(fd, 0)  # (no stale PID for a reader to trust)
+  fcntl.flock(fd, fcntl.LOCK_UN)
+  os.close(fd)
+
+
+def _lock_holder(path: str) -> dict:
+  """What the holder wrote in the lock file; {} if it has not yet (or cannot be read)."""
+  try:
+    with open(path) as f:
+      holder = json.loads(f.read() or "{}")
+    return holder if isinstance(holder, dict) else {}
+  except (OSError, ValueError):
+    return {}
 
 
 # ----------------------------------------------------------------------------
