@@ -1,6 +1,6 @@
 """Tests for `python train.py`: a tiny run end to end, bad options, and the
-faults a user meets (a second run on a held workdir), each ending with one
-line on the console.
+faults a user meets (a second run on a held workdir, a changed config), each
+ending with one line on the console.
 
 Each case is a subprocess with a time limit. Successful runs share the
 session's persistent XLA compilation cache with tests/test_training.py.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -51,11 +52,22 @@ def tiny_flags(**overrides) -> list[str]:
   return [f"--config.{k}={v}" for k, v in values.items()]
 
 
-def test_train_py_trains_and_prints_bleu_and_samples(tmp_path_factory):
-  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+def cache_dir(tmp_path_factory) -> Path:
+  return tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A 20-step run of the tiny model: (workdir, the finished process)."""
   workdir = tmp_path_factory.mktemp("cli") / "run"
   proc = train_py([f"--workdir={workdir}", "--quiet",
-                   *tiny_flags(num_train_steps=20, num_bleu_examples=4)], env_for(cache))
+                   *tiny_flags(num_train_steps=20, num_bleu_examples=4)],
+                  env_for(cache_dir(tmp_path_factory)))
+  return workdir, proc
+
+
+def test_train_py_trains_and_prints_bleu_and_samples(trained):
+  workdir, proc = trained
   assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
   out = proc.stdout
   assert f"Trained 20 steps into {workdir}" in out, out
@@ -117,6 +129,14 @@ def one_error_line(proc) -> str:
   return errors[0]
 
 
+def copy_of(trained, tmp_path) -> Path:
+  workdir, proc = trained
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  return copy
+
+
 def test_a_second_run_on_a_held_workdir_stops_at_once(tmp_path):
   """Two runs on one workdir: the second stops before writing anything,
   naming the holder (here this test process, holding the lock)."""
@@ -129,3 +149,17 @@ def test_a_second_run_on_a_held_workdir_stops_at_once(tmp_path):
   assert f"workdir {workdir} is in use by another training run" in error
   assert f"PID {os.getpid()} on host {socket.gethostname()}" in error
   assert [p.name for p in workdir.iterdir()] == [workdir_lib.LOCK_FILE]
+
+
+def test_a_changed_config_stops_with_the_differences_and_the_ways_out(trained, tmp_path):
+  workdir = copy_of(trained, tmp_path)
+  before = (workdir / "config.json").read_text()
+  proc = train_py([f"--workdir={workdir}", "--quiet",
+                   *tiny_flags(num_train_steps=30, num_bleu_examples=4,
+                               **{"model.d_model": 64, "vocab_size": 100})], env_for())
+  one_error_line(proc)
+  message = proc.stderr[proc.stderr.index("error:"):]
+  assert "  model.d_model: 32 -> 64\n" in message and "  vocab_size: 128 -> 100\n" in message
+  assert "num_train_steps: " not in message                     # (it may change)
+  assert "new --workdir" in message and "drop these overrides" in message
+  assert (workdir / "config.json").read_text() == before        # nothing written

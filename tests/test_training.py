@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -375,6 +376,24 @@ def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
   assert [p.name for p in tmp_path.iterdir()] == [workdir_lib.LOCK_FILE]
 
 
+def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, reference_run,
+                                                                  monkeypatch):
+  ref_dir, _ = reference_run
+  shutil.copy(ref_dir / workdir_lib.CONFIG_FILE, tmp_path / workdir_lib.CONFIG_FILE)
+
+  def unreachable(*args, **kwargs):
+    raise AssertionError("got past the config check")
+  for owner, name in [(data, "load_split"), (training, "get_tokenizer"),
+                      (checkpoints, "Checkpointer")]:
+    monkeypatch.setattr(owner, name, unreachable)
+  changed = dict(REF, num_train_steps=40, batch_size=32, **{"model.d_model": 64})
+  with pytest.raises(workdir_lib.ConfigMismatch) as info:
+    train(tmp_path, changed)
+  assert info.value.differences == [("batch_size", 16, 32), ("model.d_model", 32, 64)]
+  with workdir_lib.hold(str(tmp_path)):   # (released)
+    pass
+
+
 # ----------------------------------------------------------------------------
 # 4, 5. Data parallel: 8 devices, two processes
 # ----------------------------------------------------------------------------
@@ -482,14 +501,16 @@ def test_two_processes_match_a_single_process_replay(tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def test_resume_is_exact(tmp_path, reference_run, compilation_cache):
+def test_resume_is_exact(tmp_path, reference_run, compilation_cache, caplog):
   """k steps, then the same workdir to n: the same state as n steps in one go
   (dropout on: the RNG and the data position resume too)."""
   ref_dir, ref_result = reference_run
   first = train(tmp_path, dict(REF, num_train_steps=10))
   assert first.step == 10
   assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
-  resumed = train(tmp_path, REF)
+  with caplog.at_level(logging.INFO, logger="transformer"):
+    resumed = train(tmp_path, REF)
+  assert "config.num_train_steps: 10 -> 24 (allowed on resume)" in caplog.text
   assert resumed.step == REF_STEPS
   assert checkpoints.checkpoint_steps(ref_dir) == [8, 16, 24]
   assert checkpoints.checkpoint_steps(tmp_path) == [10, 16, 24]   # (keep_checkpoints=3)

@@ -1,8 +1,8 @@
 """Tests for transformer/workdir.py: the files of a run directory, the
-vocabulary rule, the choice of checkpoint and the lock (on hand-made
-workdirs; loading a trained one is tested in test_api.py and
-test_decode_cli.py, a training run meeting the lock in test_training.py and
-test_train_cli.py)."""
+vocabulary rule, the choice of checkpoint, the lock and the config check (on
+hand-made workdirs; loading a trained one is tested in test_api.py and
+test_decode_cli.py, a training run meeting the lock and the check in
+test_training.py and test_train_cli.py)."""
 
 from __future__ import annotations
 
@@ -151,3 +151,41 @@ def test_the_lock_dies_with_its_process(tmp_path):
   with workdir.hold(str(tmp_path)):
     pass
 
+
+# ----------------------------------------------------------------------------
+# Config changes on resume
+# ----------------------------------------------------------------------------
+
+
+STORED = {"model": {"d_model": 32, "num_heads": 2}, "data": {"source": "demo"},
+          "vocab_size": 128, "batch_size": 16, "num_train_steps": 10, "log_every": 5,
+          "warmup_steps": 50}
+
+
+def test_resumable_fields_may_change_and_are_returned(tmp_path):
+  assert workdir.check_config(str(tmp_path), STORED) == []          # a new workdir
+  workdir.save_configs(str(tmp_path), STORED, MODEL_CONFIG)
+  assert workdir.check_config(str(tmp_path), STORED) == []
+  longer = dict(STORED, num_train_steps=20, log_every=1, keep_checkpoints=1)
+  assert workdir.check_config(str(tmp_path), longer) == [
+      ("keep_checkpoints", workdir._MISSING, 1), ("log_every", 5, 1),
+      ("num_train_steps", 10, 20)]
+
+
+def test_fields_that_must_match_are_all_listed_with_the_ways_out(tmp_path):
+  workdir.save_configs(str(tmp_path), STORED, MODEL_CONFIG)
+  changed = dict(STORED, model={"d_model": 64, "num_heads": 2}, data={"source": "tsv"},
+                 warmup_steps=4000, num_train_steps=20, seed=1)
+  with pytest.raises(workdir.ConfigMismatch) as info:
+    workdir.check_config(str(tmp_path), changed)
+  assert info.value.differences == [("data.source", "demo", "tsv"),
+                                    ("model.d_model", 32, 64),
+                                    ("seed", workdir._MISSING, 1),
+                                    ("warmup_steps", 50, 4000)]
+  message = str(info.value)
+  for line in ['  model.d_model: 32 -> 64', '  data.source: "demo" -> "tsv"',
+               "  warmup_steps: 50 -> 4000", "  seed: (not set) -> 1"]:
+    assert line in message.splitlines(), message
+  assert str(tmp_path / workdir.CONFIG_FILE) in message
+  assert "new --workdir" in message and "drop these overrides" in message
+  assert "num_train_steps: " not in message                 # (it may change)

@@ -360,8 +360,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   the data source of `config.data`, e.g. for sentence pairs held in memory.
 
   Before anything is written the workdir is held for this run
-  (`workdir.hold`). Raises (besides ValueError for a bad config):
-  workdir.WorkdirLocked, TrainingDiverged.
+  (`workdir.hold`) and, before anything is loaded or compiled, the config is
+  compared with the one it was trained with (`workdir.check_config`).
+  Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
+  workdir.ConfigMismatch, TrainingDiverged.
   """
   _check_config(config)
   workdir = os.path.abspath(workdir)
@@ -378,6 +380,8 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   on every way out (a checkpointer left open on an error would keep writing
   from its threads)."""
   is_main = jax.process_index() == 0
+  for name, stored, requested in workdir_lib.check_config(workdir, config.to_dict()):
+    logger.info("config.%s: %s -> %s (allowed on resume)", name, stored, requested)
 
   if train_pairs is None:
     train_pairs = data.load_split(config.data, "train")

@@ -26,6 +26,10 @@ One run at a time: `hold` locks the workdir for a training run (an OS file
 lock on train.lock, so that a run killed with SIGKILL leaves no stale lock);
 a second run stops at once, naming the holder. Readers (decode.py, the
 loader) take no lock: they read finished checkpoints only.
+
+A resumed run keeps what its checkpoints were trained with: `check_config`
+compares the config with the workdir's config.json before anything is
+loaded; only RESUMABLE_FIELDS may change.
 """
 
 from __future__ import annotations
@@ -53,6 +57,26 @@ MODEL_CONFIG_FILE = "model_config.json"
 VOCAB_FILE = "vocab.model"
 LOCK_FILE = "train.lock"
 CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
+
+# The config fields a run may change when it resumes a workdir. None of them
+# enters a training step, so a resumed run still ends with the parameters of
+# an uninterrupted one: how long to train (num_train_steps; the learning rate
+# does not depend on it), what is measured and logged, and when and how many
+# checkpoints are kept and averaged; data.tfds_data_dir says where TFDS keeps
+# its prepared files, not which data. Every other field must match
+# (`check_config`): model.* (the parameters' shapes and what they compute),
+# data.* and vocab_* (which sentences, which pieces), batch_size, max_length,
+# pack, grad_accum_steps and seed (which batches in which order: the data
+# position saved in a checkpoint means nothing in another pipeline), and the
+# update rule (warmup_steps, learning_rate_scale, adam_*, label_smoothing,
+# grad_clip_norm); so does any field not listed here, new ones included.
+RESUMABLE_FIELDS = (
+    "num_train_steps",
+    "log_every", "eval_every", "eval_batch_size", "num_eval_examples",
+    "num_bleu_examples", "eval_decode_method", "eval_beam_size",
+    "checkpoint_every", "keep_checkpoints", "average_last",
+    "data.tfds_data_dir",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +259,72 @@ def _lock_holder(path: str) -> dict:
     return holder if isinstance(holder, dict) else {}
   except (OSError, ValueError):
     return {}
+
+
+# ----------------------------------------------------------------------------
+# Config changes on resume
+# ----------------------------------------------------------------------------
+
+
+class ConfigMismatch(ValueError):
+  """The config differs from the workdir's config.json in fields that must
+  match (`check_config`); `differences` lists (field, stored, requested)."""
+
+  def __init__(self, workdir: str, differences: list[tuple[str, object, object]]):
+    lines = "\n".join(f"  {name}: {_show(stored)} -> {_show(requested)}"
+                      for name, stored, requested in differences)
+    super().__init__(
+        f"{workdir} was trained with another config ({os.path.join(workdir, CONFIG_FILE)}): "
+        f"its checkpoints resume only with the same model, vocabulary, data, batches and "
+        f"optimizer, and these fields differ (stored -> requested):\n{lines}\n"
+        f"Either train into a new --workdir, or drop these overrides to resume {workdir} "
+        f"as it was. (Only {', '.join(RESUMABLE_FIELDS)} may change on resume.)")
+    self.workdir, self.differences = workdir, differences
+
+
+_MISSING = object()
+
+
+def _show(value) -> str:
+  return "(not set)" if value is _MISSING else json.dumps(value)
+
+
+def check_config(workdir: str, config: dict) -> list[tuple[str, object, object]]:
+  """Compares `config` (this run's, as a dict) with the workdir's config.json
+  before anything is loaded, restored or compiled: it reads one JSON file.
+
+  Returns the fields that differ and may (RESUMABLE_FIELDS), as (field,
+  stored, requested); [] for a new workdir.
+  Raises ConfigMismatch listing every other differing field.
+  """
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    return []
+  try:
+    with open(path) as f:
+      stored = _flatten(json.load(f))
+  except ValueError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}); it is written by train.py, do not "
+                     "edit it (move it away to start this workdir's config afresh)") from None
+  requested = _flatten(json.loads(json.dumps(config)))  # tuples -> lists, as stored
+  changed = [(name, stored.get(name, _MISSING), requested.get(name, _MISSING))
+             for name in sorted(set(stored) | set(requested))
+             if stored.get(name, _MISSING) != requested.get(name, _MISSING)]
+  refused = [c for c in changed if c[0] not in RESUMABLE_FIELDS]
+  if refused:
+    raise ConfigMismatch(workdir, refused)
+  return changed
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  """{"model": {"d_model": 64}} -> {"model.d_model": 64}."""
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
 
 
 # ----------------------------------------------------------------------------
