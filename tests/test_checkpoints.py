@@ -108,8 +108,11 @@ def test_round_trip_is_exact(tmp_path):
     with pytest.raises(FileNotFoundError, match="step 3"):
       ckpt.restore(abstract, step=3)
     bad = dict(state, params=dict(state["params"], embedding=jnp.zeros((5, 8))))
-    with pytest.raises(ValueError, match="Could not restore"):
+    with pytest.raises(ValueError, match="Could not restore") as info:
       ckpt.restore(bad)
+    # Found in the metadata, before orbax reads (and advises its API's options):
+    assert "params.embedding is (32, 8) there, (5, 8) here" in str(info.value)
+    assert "strict" not in str(info.value)
   # Data state is stored per process.
   assert (tmp_path / "checkpoints" / "2" / "data_state" / "process_0-of-1.json").exists()
 

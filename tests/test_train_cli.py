@@ -1,6 +1,7 @@
 """Tests for `python train.py`: a tiny run end to end, bad options, and the
-faults a user meets (a second run on a held workdir, a changed config), each
-ending with one line on the console.
+faults a user meets (a second run on a held workdir, a changed config, a
+checkpoint that does not fit, an unexpected error), each ending with one line
+on the console and the traceback in <workdir>/train.log.
 
 Each case is a subprocess with a time limit. Successful runs share the
 session's persistent XLA compilation cache with tests/test_training.py.
@@ -163,3 +164,53 @@ def test_a_changed_config_stops_with_the_differences_and_the_ways_out(trained, t
   assert "num_train_steps: " not in message                     # (it may change)
   assert "new --workdir" in message and "drop these overrides" in message
   assert (workdir / "config.json").read_text() == before        # nothing written
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line(trained, tmp_path):
+  """A config.json that passes the check but checkpoints of another shape
+  (a workdir edited by hand, say): one line naming the arrays, no orbax
+  advice, no tracebacks of its threads; the traceback in train.log."""
+  workdir = copy_of(trained, tmp_path)
+  config = json.loads((workdir / "config.json").read_text())
+  config["model"]["d_model"] = 64
+  (workdir / "config.json").write_text(json.dumps(config))
+  proc = train_py([f"--workdir={workdir}", "--quiet",
+                   *tiny_flags(num_train_steps=20, num_bleu_examples=4, **{"model.d_model": 64})],
+                  env_for())
+  error = one_error_line(proc)
+  assert f"Could not restore {workdir}/checkpoints/20" in error, error
+  assert "params.decoder.layers_0.cross_attention.key.bias is (2, 16) there, (2, 32) here" \
+      in error, error
+  log = (workdir / "train.log").read_text()
+  assert "run stopped by ValueError" in log and "Traceback" in log
+
+
+FAIL_AFTER_A_SAVE = """
+import runpy, sys
+from transformer import checkpoints
+save = checkpoints.Checkpointer.save
+def save_then_fail(self, *args, **kwargs):
+  if save(self, *args, **kwargs):
+    raise RuntimeError("injected while a save is in flight")
+  return False
+checkpoints.Checkpointer.save = save_then_fail
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_is_in_the_log(tmp_path_factory,
+                                                                          tmp_path):
+  """A bug (here injected right after a checkpoint save started): one line
+  saying where the traceback is; the save in flight still completes."""
+  workdir = tmp_path / "run"
+  cmd = [sys.executable, "-c", FAIL_AFTER_A_SAVE, f"--workdir={workdir}", "--quiet",
+         *tiny_flags(num_train_steps=10, checkpoint_every=5)]
+  proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache_dir(tmp_path_factory)),
+                        capture_output=True, text=True, timeout=TIMEOUT_S)
+  error = one_error_line(proc)
+  assert error == (f"error: RuntimeError: injected while a save is in flight; the full "
+                   f"traceback is in {workdir}/train.log (include it in a bug report)")
+  log = (workdir / "train.log").read_text()
+  assert "Traceback" in log and "RuntimeError: injected while a save is in flight" in log
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["5"]

@@ -332,6 +332,8 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
   assert checkpoints.checkpoint_steps(tmp_path) == [50, 100]
   assert not list((tmp_path / "checkpoints").glob("*tmp*"))
   assert (tmp_path / workdir_lib.LOCK_FILE).read_text() == ""     # released
+  log = (tmp_path / workdir_lib.LOG_FILE).read_text()
+  assert "run started" in log and "run finished" in log
 
   records = read_metrics(tmp_path)
   train_steps = [r["step"] for r in records if r["split"] == "train"]
@@ -390,6 +392,8 @@ def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, refe
   with pytest.raises(workdir_lib.ConfigMismatch) as info:
     train(tmp_path, changed)
   assert info.value.differences == [("batch_size", 16, 32), ("model.d_model", 32, 64)]
+  log = (tmp_path / workdir_lib.LOG_FILE).read_text()
+  assert "run stopped by ConfigMismatch" in log and "Traceback" in log
   with workdir_lib.hold(str(tmp_path)):   # (released)
     pass
 

@@ -159,6 +159,17 @@ def abstract_target(target: Any, default_sharding: jax.sharding.Sharding | None 
   return jax.tree.map(leaf, target)
 
 
+def _leaf_name(path) -> str:
+  """A leaf's key path as orbax names it in its metadata: "opt_state.0.mu.x"."""
+  parts = []
+  for key in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+  return ".".join(parts)
+
+
 # --------------------------------------------------------------------------
 # Checkpointer
 # --------------------------------------------------------------------------
@@ -332,7 +343,9 @@ class Checkpointer:
           f"No checkpoint for step {step} in {self.directory}; available:"
           f" {self.all_steps()}."
       )
-    items = {STATE_ITEM: ocp.args.StandardRestore(abstract_target(target_state))}
+    abstract = abstract_target(target_state)
+    self._check_fits(step, abstract)
+    items = {STATE_ITEM: ocp.args.StandardRestore(abstract)}
     if restore_data_state:
       items[DATA_ITEM] = ProcessJsonRestore()
     try:
@@ -345,6 +358,34 @@ class Checkpointer:
       ) from e
     data_state = restored[DATA_ITEM]["data_state"] if restore_data_state else None
     return restored[STATE_ITEM], data_state
+
+  def _check_fits(self, step: int, abstract: Any) -> None:
+    """Raises ValueError if the shapes saved for `step` (its metadata, one
+    small file) are not those of `abstract`, naming the first that differ:
+    orbax's own error would come after reading starts, with advice for its
+    API and "Event loop is closed" tracebacks from its reader threads."""
+    try:
+      stored = self._manager.item_metadata(step)[STATE_ITEM].tree
+    except Exception:  # (no usable metadata: leave the checks to orbax)
+      return
+    is_array = lambda x: hasattr(x, "shape") and hasattr(x, "name")
+    stored_shapes = {x.name: tuple(x.shape) for x in jax.tree.leaves(stored, is_leaf=is_array)
+                     if is_array(x)}
+    wanted = {_leaf_name(path): tuple(x.shape)
+              for path, x in jax.tree_util.tree_leaves_with_path(abstract)
+              if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)}
+    if not stored_shapes or not set(wanted) & set(stored_shapes):
+      return  # (names not comparable: leave the checks to orbax)
+    names = sorted(wanted, key=lambda name: (not name.startswith("params."), name))
+    problems = [f"{name} is {stored_shapes[name]} there, {wanted[name]} here"
+                for name in names if name in stored_shapes and stored_shapes[name] != wanted[name]]
+    problems += [f"{name} is missing there" for name in names if name not in stored_shapes]
+    if problems:
+      more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+      raise ValueError(
+          f"Could not restore {self.directory / str(step)} into the given target state: "
+          f"{'; '.join(problems[:3])}{more}. Was it written with a different model or "
+          "optimizer configuration?")
 
   def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
     """The JSON metadata saved with `step` (default: the latest)."""

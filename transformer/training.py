@@ -361,7 +361,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   Before anything is written the workdir is held for this run
   (`workdir.hold`) and, before anything is loaded or compiled, the config is
-  compared with the one it was trained with (`workdir.check_config`).
+  compared with the one it was trained with (`workdir.check_config`); the
+  run's log and a fatal error's traceback go to <workdir>/train.log.
   Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
   workdir.ConfigMismatch, TrainingDiverged.
   """
@@ -370,6 +371,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   os.makedirs(workdir, exist_ok=True)
   with contextlib.ExitStack() as stack:
     stack.enter_context(workdir_lib.hold(workdir))
+    stack.enter_context(workdir_lib.run_log(workdir))
     return _run(config, workdir, stack, quiet=quiet, train_pairs=train_pairs,
                 eval_pairs=eval_pairs)
 
