@@ -1,7 +1,7 @@
 """Tests for `python train.py`: a tiny run end to end, bad options, and the
 faults a user meets (a second run on a held workdir, a changed config, a
-checkpoint that does not fit, an unexpected error), each ending with one line
-on the console and the traceback in <workdir>/train.log.
+checkpoint that does not fit, an unexpected error, a full disk), each ending
+with one line on the console and the traceback in <workdir>/train.log.
 
 Each case is a subprocess with a time limit. Successful runs share the
 session's persistent XLA compilation cache with tests/test_training.py.
@@ -22,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
+from helpers import small_disk  # noqa: E402
 
 TIMEOUT_S = 240
 
@@ -214,3 +215,33 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_in_the_log(tmp_pat
   log = (workdir / "train.log").read_text()
   assert "Traceback" in log and "RuntimeError: injected while a save is in flight" in log
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["5"]
+
+
+@pytest.mark.parametrize("disk_kib, refused_step, last_step", [(1600, 15, 10), (600, 5, None)],
+                         ids=["caught_before_writing", "caught_when_a_write_fails"])
+def test_a_full_disk_is_one_message(disk_kib, refused_step, last_step, tmp_path_factory,
+                                    tmp_path):
+  """On a small tmpfs (the vocabulary takes ~240 kB, a checkpoint ~500 kB):
+  with room for two checkpoints, the third is refused before it is written;
+  with room for none, the first fails in orbax's threads. Either way one
+  message: where, the bytes needed and free, the last complete checkpoint,
+  what to do; nothing half-written left."""
+  with small_disk(tmp_path / "disk", disk_kib) as disk:
+    workdir = disk / "run"
+    proc = train_py([f"--workdir={workdir}", "--quiet",
+                     *tiny_flags(num_train_steps=40, checkpoint_every=5)],
+                    env_for(cache_dir(tmp_path_factory)))
+    error = one_error_line(proc)
+    assert error.startswith(f"error: The disk is full: the checkpoint of step {refused_step} "
+                            f"needs about "), error
+    assert f" in {workdir}/checkpoints and " in error and " are free; " in error
+    if last_step:
+      assert "nothing was written" in error
+      assert f"The last complete checkpoint is step {last_step}." in error
+      assert "keep fewer with config.keep_checkpoints, now 3" in error
+    else:
+      assert f"its unfinished {refused_step}.orbax-checkpoint-tmp was removed" in error
+      assert "The last complete checkpoint is none." in error
+    names = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert names == (["10", "5"] if last_step else [])
+    assert "run stopped by DiskFullError" in (workdir / "train.log").read_text()

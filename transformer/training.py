@@ -364,7 +364,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   compared with the one it was trained with (`workdir.check_config`); the
   run's log and a fatal error's traceback go to <workdir>/train.log.
   Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
-  workdir.ConfigMismatch, TrainingDiverged.
+  workdir.ConfigMismatch, checkpoints.DiskFullError, TrainingDiverged.
   """
   _check_config(config)
   workdir = os.path.abspath(workdir)
