@@ -297,6 +297,13 @@ def _random_state(step: int, size: int = 100_000):
   return {"w": jax.random.normal(jax.random.key(step), (size,)), "step": jnp.asarray(step)}
 
 
+# After orbax gives up on a failed save, tensorstore's late callbacks may find
+# its event loop closed: "unraisable" exceptions, which train.py's run sends to
+# train.log (tests/test_train_cli.py) and pytest would report as warnings.
+late_tensorstore_callbacks = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
 async def _no_space(self, text, directory):
   raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
 
@@ -313,6 +320,7 @@ def _assert_disk_full_message(error, directory, step, last_step, keep=3):
   assert error.needed > 0 and error.free >= 0
 
 
+@late_tensorstore_callbacks
 @pytest.mark.parametrize("learnt_by", ["wait", "save", "close"])
 def test_a_full_disk_in_a_background_write_is_one_clear_error(learnt_by, tmp_path, monkeypatch):
   """Orbax writes in background threads; the ENOSPC of a write there comes
@@ -365,6 +373,7 @@ def test_free_space_is_checked_before_each_save(tmp_path, monkeypatch):
   assert checkpoints.checkpoint_steps(tmp_path) == [1, 2]
 
 
+@late_tensorstore_callbacks
 def test_a_full_disk_while_averaging_keeps_the_checkpoints(tmp_path, monkeypatch):
   with checkpoints.Checkpointer(tmp_path, keep=3) as ckpt:
     for step in (1, 2):
@@ -382,9 +391,7 @@ def test_a_full_disk_while_averaging_keeps_the_checkpoints(tmp_path, monkeypatch
   assert checkpoints.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == []
 
 
-# (tensorstore's late callbacks into orbax's closed event loop are "unraisable";
-# train.py's run sends them to train.log: tests/test_train_cli.py)
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@late_tensorstore_callbacks
 @pytest.mark.parametrize("check_space", [True, False],
                          ids=["caught_before_writing", "caught_when_a_write_fails"])
 def test_a_real_full_disk(check_space, tmp_path):
