@@ -6,6 +6,7 @@
     python train.py --config.model.d_model=256 --config.batch_size=128   # any field
 
 Running again with the same --workdir resumes from its last checkpoint.
+A fatal error prints one line; the full traceback is in <workdir>/train.log.
 """
 
 import logging
@@ -55,6 +56,31 @@ _PROCESS_ID = flags.DEFINE_integer(
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.")
 
 
+def _no_library_errors(record: logging.LogRecord) -> bool:
+  """The console's filter: no error records of libraries (orbax logs, with
+  tracebacks, what fails in its background threads, then raises it in ours);
+  train.py reports that error in one line, and the run's log keeps them all."""
+  return record.levelno < logging.ERROR or record.name.startswith("transformer")
+
+
+def _one_line(error: Exception, workdir: str) -> str:
+  """The console's message for a fatal error: its own words for the errors a
+  user can meet and fix (they say what to do); for anything else, where the
+  traceback is."""
+  from transformer import checkpoints, training
+  from transformer import workdir as workdir_lib
+  if not isinstance(error, checkpoints.DiskFullError) and checkpoints.is_disk_full(error):
+    return (f"the disk is full ({error}). Free space on the disk of {workdir}, then run "
+            "the same command again: training resumes from its last checkpoint.")
+  expected = (ValueError, FileNotFoundError, training.TrainingDiverged,
+              workdir_lib.WorkdirLocked, checkpoints.DiskFullError)
+  if isinstance(error, expected):
+    return str(error)
+  log = workdir_lib.log_path(os.path.abspath(workdir))
+  where = f"; the full traceback is in {log}" if os.path.exists(log) else ""
+  return f"{type(error).__name__}: {error}{where} (include it in a bug report)"
+
+
 def default_workdir(config_path: str) -> str:
   name = os.path.splitext(os.path.basename(config_path))[0]
   return os.path.join("runs", "demo" if name == "default" else name)
@@ -71,17 +97,18 @@ def main(argv):
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("transformer").setLevel(logging.INFO)
+  absl_logging.get_absl_handler().addFilter(_no_library_errors)
   config_path = flags.FLAGS["config"].config_filename
   workdir = _WORKDIR.value or default_workdir(config_path)
   try:
     result = training.train_and_evaluate(_CONFIG.value, workdir, quiet=_QUIET.value)
-  except (ValueError, FileNotFoundError, training.TrainingDiverged) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
   except KeyboardInterrupt:
     print(f"\nInterrupted. Run the same command again to resume from {workdir}.",
           file=sys.stderr)
     return 130
+  except Exception as e:  # one line; the traceback is in the run's log
+    print(f"error: {_one_line(e, workdir)}", file=sys.stderr)
+    return 1
   ev = result.eval
   print(f"\nTrained {result.step} steps into {result.workdir}")
   summary = f"validation: loss {ev['loss']:.4f}, token accuracy {ev['accuracy']:.4f}"

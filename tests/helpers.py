@@ -7,6 +7,7 @@ blocking CI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -57,3 +58,23 @@ def free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size_kib: int):
+  """A real full disk for a test: a tmpfs of `size_kib` KiB mounted at
+  `path` while the context lasts. Mounting needs root (CAP_SYS_ADMIN) on
+  Linux; elsewhere the test is skipped (the full-disk tests that inject the
+  OS error at the write still run)."""
+  path.mkdir(parents=True, exist_ok=True)
+  try:
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                          capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    pytest.skip(f"cannot mount a small tmpfs here ({e})")
+  if proc.returncode != 0:
+    pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.strip()}")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=30)

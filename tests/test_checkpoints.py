@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,8 @@ import pytest
 from transformer import checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from helpers import small_disk  # noqa: E402
 
 
 def _params(seed: int):
@@ -108,8 +112,11 @@ def test_round_trip_is_exact(tmp_path):
     with pytest.raises(FileNotFoundError, match="step 3"):
       ckpt.restore(abstract, step=3)
     bad = dict(state, params=dict(state["params"], embedding=jnp.zeros((5, 8))))
-    with pytest.raises(ValueError, match="Could not restore"):
+    with pytest.raises(ValueError, match="Could not restore") as info:
       ckpt.restore(bad)
+    # Found in the metadata, before orbax reads (and advises its API's options):
+    assert "params.embedding is (32, 8) there, (5, 8) here" in str(info.value)
+    assert "strict" not in str(info.value)
   # Data state is stored per process.
   assert (tmp_path / "checkpoints" / "2" / "data_state" / "process_0-of-1.json").exists()
 
@@ -278,3 +285,131 @@ def test_sigkill_during_save_leaves_a_restorable_workdir(tmp_path):
     again, _ = ckpt.restore(target)
     assert int(again["step"]) == latest + 100
     assert ckpt.latest_step() == latest + 1
+
+
+# --------------------------------------------------------------------------
+# A full disk
+# --------------------------------------------------------------------------
+
+
+def _random_state(step: int, size: int = 100_000):
+  """~400 kB that do not compress (orbax compresses: constant arrays take nothing)."""
+  return {"w": jax.random.normal(jax.random.key(step), (size,)), "step": jnp.asarray(step)}
+
+
+# After orbax gives up on a failed save, tensorstore's late callbacks may find
+# its event loop closed: "unraisable" exceptions, which train.py's run sends to
+# train.log (tests/test_train_cli.py) and pytest would report as warnings.
+late_tensorstore_callbacks = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+async def _no_space(self, text, directory):
+  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+
+
+def _assert_disk_full_message(error, directory, step, last_step, keep=3):
+  message = str(error)
+  assert message.startswith(f"The disk is full: the checkpoint of step {step} needs about "), \
+      message
+  assert f" in {directory} and " in message and " are free; " in message
+  assert f"The last complete checkpoint is step {last_step}." in message
+  assert f"keep fewer with config.keep_checkpoints, now {keep}" in message
+  assert message.endswith(f"training resumes from step {last_step}.")
+  assert error.errno == errno.ENOSPC and error.last_step == last_step
+  assert error.needed > 0 and error.free >= 0
+
+
+@late_tensorstore_callbacks
+@pytest.mark.parametrize("learnt_by", ["wait", "save", "close"])
+def test_a_full_disk_in_a_background_write_is_one_clear_error(learnt_by, tmp_path, monkeypatch):
+  """Orbax writes in background threads; the ENOSPC of a write there comes
+  back from whichever call learns of it as DiskFullError, the unfinished
+  checkpoint removed, the last complete one intact."""
+  directory = tmp_path / "checkpoints"
+  ckpt = checkpoints.Checkpointer(tmp_path, keep=3)
+  assert ckpt.save(1, _random_state(1), {"step": 1})
+  ckpt.wait()
+  monkeypatch.setattr(checkpoints.ProcessJsonCheckpointHandler, "_save_fn", _no_space)
+  assert ckpt.save(2, _random_state(2), {"step": 2})     # started; fails in the background
+  with pytest.raises(checkpoints.DiskFullError) as info:
+    if learnt_by == "wait":
+      ckpt.wait()
+    elif learnt_by == "save":
+      ckpt.save(3, _random_state(3), {"step": 3})
+    else:
+      ckpt.close()
+  ckpt.close()                                           # (said once: quiet now)
+  _assert_disk_full_message(info.value, directory, 2, 1)
+  assert "its unfinished 2.orbax-checkpoint-tmp was removed" in str(info.value)
+  assert not _tmp_dirs(directory)
+  monkeypatch.undo()
+  with checkpoints.Checkpointer(tmp_path, keep=3) as again:
+    assert again.all_steps() == [1]
+    state, data_state = again.restore(_random_state(0))
+  _assert_trees_equal(state, _random_state(1))
+  assert data_state == {"step": 1}
+
+
+def test_free_space_is_checked_before_each_save(tmp_path, monkeypatch):
+  """From the second save on (the first tells a checkpoint's size), a save
+  that would not fit is refused before anything is written."""
+  disk_usage = shutil.disk_usage
+  free = {"bytes": 1000}
+  monkeypatch.setattr(checkpoints.shutil, "disk_usage",
+                      lambda path: disk_usage(path)._replace(free=free["bytes"]))
+  with checkpoints.Checkpointer(tmp_path, keep=3) as ckpt:
+    assert ckpt.save(1, _random_state(1))               # size unknown: not checked
+    ckpt.wait()
+    size = checkpoints._disk_bytes(tmp_path / "checkpoints" / "1")
+    with pytest.raises(checkpoints.DiskFullError) as info:
+      ckpt.save(2, _random_state(2))
+    _assert_disk_full_message(info.value, tmp_path / "checkpoints", 2, 1)
+    assert f"({int(size * 1.05):,} bytes)" in str(info.value)
+    assert "1.0 kB (1,000 bytes) are free; nothing was written." in str(info.value)
+    assert not _tmp_dirs(tmp_path / "checkpoints") and ckpt.all_steps() == [1]
+    free["bytes"] = int(size * 1.06)                   # room again: saving goes on
+    assert ckpt.save(2, _random_state(2))
+  assert checkpoints.checkpoint_steps(tmp_path) == [1, 2]
+
+
+@late_tensorstore_callbacks
+def test_a_full_disk_while_averaging_keeps_the_checkpoints(tmp_path, monkeypatch):
+  with checkpoints.Checkpointer(tmp_path, keep=3) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, {"params": _random_state(step)})
+  monkeypatch.setattr(checkpoints.ocp.JsonCheckpointHandler, "_save_fn", _no_space)
+  with pytest.raises(checkpoints.DiskFullError) as info:
+    checkpoints.average_and_save(tmp_path, _random_state(0), num=2)
+  message = str(info.value)
+  assert message.startswith("The disk is full: the average of steps [1, 2] needs about ")
+  assert str(tmp_path / checkpoints.AVERAGED_DIR) in message
+  assert "The last complete checkpoint is step 2." in message
+  assert "config.average_last=1" in message
+  assert not _tmp_dirs(tmp_path / checkpoints.AVERAGED_DIR)
+  assert checkpoints.checkpoint_steps(tmp_path) == [1, 2]
+  assert checkpoints.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == []
+
+
+@late_tensorstore_callbacks
+@pytest.mark.parametrize("check_space", [True, False],
+                         ids=["caught_before_writing", "caught_when_a_write_fails"])
+def test_a_real_full_disk(check_space, tmp_path):
+  """On a 1 MiB tmpfs two ~400 kB checkpoints fit, the third does not: it is
+  refused before writing, or (the check off) tensorstore's RESOURCE_EXHAUSTED
+  from orbax's threads becomes the same DiskFullError."""
+  with small_disk(tmp_path / "disk", 1024) as disk:
+    ckpt = checkpoints.Checkpointer(disk, keep=3, check_space=check_space)
+    with pytest.raises(checkpoints.DiskFullError) as info:
+      for step in range(1, 6):
+        ckpt.save(step, _random_state(step), {"step": step})
+      ckpt.wait()
+    ckpt.close()
+    _assert_disk_full_message(info.value, disk / "checkpoints", 3, 2)
+    assert ("nothing was written" in str(info.value)) == check_space
+    assert not _tmp_dirs(disk / "checkpoints")
+    with checkpoints.Checkpointer(disk, keep=3) as again:
+      assert again.all_steps() == [1, 2]
+      state, data_state = again.restore(_random_state(0))
+    _assert_trees_equal(state, _random_state(2))
+    assert data_state == {"step": 2}

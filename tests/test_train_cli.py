@@ -1,4 +1,7 @@
-"""Tests for `python train.py`: a tiny run end to end, and bad options.
+"""Tests for `python train.py`: a tiny run end to end, bad options, and the
+faults a user meets (a second run on a held workdir, a changed config, a
+checkpoint that does not fit, an unexpected error, a full disk), each ending
+with one line on the console and the traceback in <workdir>/train.log.
 
 Each case is a subprocess with a time limit. Successful runs share the
 session's persistent XLA compilation cache with tests/test_training.py.
@@ -8,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
+from helpers import small_disk  # noqa: E402
 
 TIMEOUT_S = 240
 
@@ -48,11 +54,22 @@ def tiny_flags(**overrides) -> list[str]:
   return [f"--config.{k}={v}" for k, v in values.items()]
 
 
-def test_train_py_trains_and_prints_bleu_and_samples(tmp_path_factory):
-  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+def cache_dir(tmp_path_factory) -> Path:
+  return tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A 20-step run of the tiny model: (workdir, the finished process)."""
   workdir = tmp_path_factory.mktemp("cli") / "run"
   proc = train_py([f"--workdir={workdir}", "--quiet",
-                   *tiny_flags(num_train_steps=20, num_bleu_examples=4)], env_for(cache))
+                   *tiny_flags(num_train_steps=20, num_bleu_examples=4)],
+                  env_for(cache_dir(tmp_path_factory)))
+  return workdir, proc
+
+
+def test_train_py_trains_and_prints_bleu_and_samples(trained):
+  workdir, proc = trained
   assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
   out = proc.stdout
   assert f"Trained 20 steps into {workdir}" in out, out
@@ -96,3 +113,135 @@ def test_bad_options_exit_with_a_one_line_error(args, expected, tmp_path):
   for text in expected:
     assert text in errors[0], errors[0]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------
+# Faults a user meets: one clear line each, nothing lost
+# ----------------------------------------------------------------------------
+
+
+def one_error_line(proc) -> str:
+  """The process failed with exactly one "error:" line on the console and no
+  traceback (of its own or of a library's threads); that line."""
+  assert proc.returncode == 1, proc.stdout + proc.stderr[-5000:]
+  for noise in ("Traceback", "Event loop is closed", "strict=False", "RESOURCE_EXHAUSTED"):
+    assert noise not in proc.stderr, proc.stderr[-5000:]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1, proc.stderr[-5000:]
+  return errors[0]
+
+
+def copy_of(trained, tmp_path) -> Path:
+  workdir, proc = trained
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy)
+  return copy
+
+
+def test_a_second_run_on_a_held_workdir_stops_at_once(tmp_path):
+  """Two runs on one workdir: the second stops before writing anything,
+  naming the holder (here this test process, holding the lock)."""
+  from transformer import workdir as workdir_lib
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  with workdir_lib.hold(str(workdir)):
+    proc = train_py([f"--workdir={workdir}", "--quiet", *tiny_flags()], env_for())
+  error = one_error_line(proc)
+  assert f"workdir {workdir} is in use by another training run" in error
+  assert f"PID {os.getpid()} on host {socket.gethostname()}" in error
+  assert [p.name for p in workdir.iterdir()] == [workdir_lib.LOCK_FILE]
+
+
+def test_a_changed_config_stops_with_the_differences_and_the_ways_out(trained, tmp_path):
+  workdir = copy_of(trained, tmp_path)
+  before = (workdir / "config.json").read_text()
+  proc = train_py([f"--workdir={workdir}", "--quiet",
+                   *tiny_flags(num_train_steps=30, num_bleu_examples=4,
+                               **{"model.d_model": 64, "vocab_size": 100})], env_for())
+  one_error_line(proc)
+  message = proc.stderr[proc.stderr.index("error:"):]
+  assert "  model.d_model: 32 -> 64\n" in message and "  vocab_size: 128 -> 100\n" in message
+  assert "num_train_steps: " not in message                     # (it may change)
+  assert "new --workdir" in message and "drop these overrides" in message
+  assert (workdir / "config.json").read_text() == before        # nothing written
+
+
+def test_a_checkpoint_that_does_not_fit_is_one_line(trained, tmp_path):
+  """A config.json that passes the check but checkpoints of another shape
+  (a workdir edited by hand, say): one line naming the arrays, no orbax
+  advice, no tracebacks of its threads; the traceback in train.log."""
+  workdir = copy_of(trained, tmp_path)
+  config = json.loads((workdir / "config.json").read_text())
+  config["model"]["d_model"] = 64
+  (workdir / "config.json").write_text(json.dumps(config))
+  proc = train_py([f"--workdir={workdir}", "--quiet",
+                   *tiny_flags(num_train_steps=20, num_bleu_examples=4, **{"model.d_model": 64})],
+                  env_for())
+  error = one_error_line(proc)
+  assert f"Could not restore {workdir}/checkpoints/20" in error, error
+  assert "params.decoder.layers_0.cross_attention.key.bias is (2, 16) there, (2, 32) here" \
+      in error, error
+  log = (workdir / "train.log").read_text()
+  assert "run stopped by ValueError" in log and "Traceback" in log
+
+
+FAIL_AFTER_A_SAVE = """
+import runpy, sys
+from transformer import checkpoints
+save = checkpoints.Checkpointer.save
+def save_then_fail(self, *args, **kwargs):
+  if save(self, *args, **kwargs):
+    raise RuntimeError("injected while a save is in flight")
+  return False
+checkpoints.Checkpointer.save = save_then_fail
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_is_in_the_log(tmp_path_factory,
+                                                                          tmp_path):
+  """A bug (here injected right after a checkpoint save started): one line
+  saying where the traceback is; the save in flight still completes."""
+  workdir = tmp_path / "run"
+  cmd = [sys.executable, "-c", FAIL_AFTER_A_SAVE, f"--workdir={workdir}", "--quiet",
+         *tiny_flags(num_train_steps=10, checkpoint_every=5)]
+  proc = subprocess.run(cmd, cwd=REPO, env=env_for(cache_dir(tmp_path_factory)),
+                        capture_output=True, text=True, timeout=TIMEOUT_S)
+  error = one_error_line(proc)
+  assert error == (f"error: RuntimeError: injected while a save is in flight; the full "
+                   f"traceback is in {workdir}/train.log (include it in a bug report)")
+  log = (workdir / "train.log").read_text()
+  assert "Traceback" in log and "RuntimeError: injected while a save is in flight" in log
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["5"]
+
+
+@pytest.mark.parametrize("disk_kib, refused_step, last_step", [(1600, 15, 10), (600, 5, None)],
+                         ids=["caught_before_writing", "caught_when_a_write_fails"])
+def test_a_full_disk_is_one_message(disk_kib, refused_step, last_step, tmp_path_factory,
+                                    tmp_path):
+  """On a small tmpfs (the vocabulary takes ~240 kB, a checkpoint ~500 kB):
+  with room for two checkpoints, the third is refused before it is written;
+  with room for none, the first fails in orbax's threads. Either way one
+  message: where, the bytes needed and free, the last complete checkpoint,
+  what to do; nothing half-written left."""
+  with small_disk(tmp_path / "disk", disk_kib) as disk:
+    workdir = disk / "run"
+    proc = train_py([f"--workdir={workdir}", "--quiet",
+                     *tiny_flags(num_train_steps=40, checkpoint_every=5)],
+                    env_for(cache_dir(tmp_path_factory)))
+    error = one_error_line(proc)
+    assert error.startswith(f"error: The disk is full: the checkpoint of step {refused_step} "
+                            f"needs about "), error
+    assert f" in {workdir}/checkpoints and " in error and " are free; " in error
+    if last_step:
+      assert "nothing was written" in error
+      assert f"The last complete checkpoint is step {last_step}." in error
+      assert "keep fewer with config.keep_checkpoints, now 3" in error
+    else:
+      assert f"its unfinished {refused_step}.orbax-checkpoint-tmp was removed" in error
+      assert "The last complete checkpoint is none." in error
+    names = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert names == (["10", "5"] if last_step else [])
+    assert "run stopped by DiskFullError" in (workdir / "train.log").read_text()

@@ -1,6 +1,7 @@
 """Tests for transformer/training.py: the loss, the schedule, gradient
 accumulation, a short demo run, data parallelism (8 simulated devices, two
-processes), exact resume (also after SIGKILL) and the NaN stop.
+processes), exact resume (also after SIGKILL anywhere: the soak test) and the
+NaN stop.
 
 Everything uses a tiny model (tests/train_worker.py: TINY_OVERRIDES).
 Compiling is most of the cost, so the in-process runs and the `train.py`
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import shutil
@@ -330,6 +332,9 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
   assert model_config["d_model"] == 32 and model_config["num_heads"] == 2
   assert checkpoints.checkpoint_steps(tmp_path) == [50, 100]
   assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+  assert (tmp_path / workdir_lib.LOCK_FILE).read_text() == ""     # released
+  log = (tmp_path / workdir_lib.LOG_FILE).read_text()
+  assert "run started" in log and "run finished" in log
 
   records = read_metrics(tmp_path)
   train_steps = [r["step"] for r in records if r["split"] == "train"]
@@ -364,6 +369,34 @@ def test_bad_configs_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match=match):
       training.train_and_evaluate(config, str(tmp_path / "w"), quiet=True)
   assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
+  """The Python API takes the workdir's lock too (train.py: test_train_cli.py)."""
+  with workdir_lib.hold(str(tmp_path)):
+    with pytest.raises(workdir_lib.WorkdirLocked, match=f"PID {os.getpid()} on host"):
+      train(tmp_path, REF)
+  assert [p.name for p in tmp_path.iterdir()] == [workdir_lib.LOCK_FILE]
+
+
+def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, reference_run,
+                                                                  monkeypatch):
+  ref_dir, _ = reference_run
+  shutil.copy(ref_dir / workdir_lib.CONFIG_FILE, tmp_path / workdir_lib.CONFIG_FILE)
+
+  def unreachable(*args, **kwargs):
+    raise AssertionError("got past the config check")
+  for owner, name in [(data, "load_split"), (training, "get_tokenizer"),
+                      (checkpoints, "Checkpointer")]:
+    monkeypatch.setattr(owner, name, unreachable)
+  changed = dict(REF, num_train_steps=40, batch_size=32, **{"model.d_model": 64})
+  with pytest.raises(workdir_lib.ConfigMismatch) as info:
+    train(tmp_path, changed)
+  assert info.value.differences == [("batch_size", 16, 32), ("model.d_model", 32, 64)]
+  log = (tmp_path / workdir_lib.LOG_FILE).read_text()
+  assert "run stopped by ConfigMismatch" in log and "Traceback" in log
+  with workdir_lib.hold(str(tmp_path)):   # (released)
+    pass
 
 
 # ----------------------------------------------------------------------------
@@ -473,14 +506,16 @@ def test_two_processes_match_a_single_process_replay(tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def test_resume_is_exact(tmp_path, reference_run, compilation_cache):
+def test_resume_is_exact(tmp_path, reference_run, compilation_cache, caplog):
   """k steps, then the same workdir to n: the same state as n steps in one go
   (dropout on: the RNG and the data position resume too)."""
   ref_dir, ref_result = reference_run
   first = train(tmp_path, dict(REF, num_train_steps=10))
   assert first.step == 10
   assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
-  resumed = train(tmp_path, REF)
+  with caplog.at_level(logging.INFO, logger="transformer"):
+    resumed = train(tmp_path, REF)
+  assert "config.num_train_steps: 10 -> 24 (allowed on resume)" in caplog.text
   assert resumed.step == REF_STEPS
   assert checkpoints.checkpoint_steps(ref_dir) == [8, 16, 24]
   assert checkpoints.checkpoint_steps(tmp_path) == [10, 16, 24]   # (keep_checkpoints=3)
@@ -497,52 +532,87 @@ def test_resume_is_exact(tmp_path, reference_run, compilation_cache):
   assert steps == [5, 10, 15, 20, 24]
 
 
-def test_sigkill_during_training_then_resume(tmp_path, reference_run, compilation_cache):
-  """`python train.py` killed with SIGKILL while it saves a checkpoint every
-  step: the next run resumes from the last finished one and ends with the
-  reference's state exactly."""
-  ref_dir, _ = reference_run
-  overrides = dict(REF, checkpoint_every=1)
-  config_file = tmp_path / "tiny_config.py"
-  config_file.write_text(train_worker.config_file_text(overrides))
-  workdir = tmp_path / "workdir"
-  cmd = [sys.executable, "train.py", f"--config={config_file}", f"--workdir={workdir}",
-         "--quiet"]
-  env = subprocess_env(compilation_cache)
-  ckpt_dir = workdir / "checkpoints"
+# Kill anywhere, lose nothing: the soak test. Runs of the REF config (eval
+# every 6 steps, so that evaluations happen inside the loop too; evaluation
+# changes no parameter) are SIGKILLed in a seeded random moment of a chosen
+# phase (tests/train_worker.py: arm_kill) and restarted, kill after kill; the
+# last run, not killed, must end with the reference's state bit for bit.
+SOAK = dict(REF, eval_every=6)
 
-  proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-  killed = killed_during_save = False
-  deadline = time.monotonic() + TIMEOUT_S
-  try:
-    while proc.poll() is None and time.monotonic() < deadline:
-      names = [p.name for p in ckpt_dir.iterdir()] if ckpt_dir.exists() else []
-      done = [int(n) for n in names if n.isdigit()]
-      saving = [n for n in names if "tmp" in n]
-      if done and max(done) >= 4 and (saving or max(done) >= REF_STEPS - 6):
-        os.kill(proc.pid, signal.SIGKILL)
-        killed, killed_during_save = True, bool(saving)
-        break
-      time.sleep(0.005)
-  finally:
-    if proc.poll() is None and time.monotonic() >= deadline:
-      proc.kill()
-    output = proc.communicate(timeout=30)[0]
-  assert killed and proc.returncode == -signal.SIGKILL, (
-      f"not killed in time (rc {proc.returncode}):\n{output}")
-  at_kill = checkpoints.checkpoint_steps(workdir)
-  assert at_kill and at_kill[-1] < REF_STEPS
-  print(f"killed at checkpoint {at_kill[-1]}, during a save: {killed_during_save}")
 
-  proc = run_checked(cmd, env, TIMEOUT_S)
-  assert "Trained 24 steps" in proc.stdout
-  assert checkpoints.checkpoint_steps(workdir)[-1] == REF_STEPS
-  assert not [p for p in ckpt_dir.iterdir() if "tmp" in p.name]
-  state, data_state = load_state(workdir, overrides)
+def phase_counts(resume_step: int) -> dict[str, int]:
+  """How many times each phase happens in a SOAK run resuming at `resume_step`."""
+  steps = range(resume_step + 1, REF_STEPS + 1)
+  return {"step": len(steps),
+          "save": sum(s % SOAK["checkpoint_every"] == 0 or s == REF_STEPS for s in steps),
+          "eval": sum(s % SOAK["eval_every"] == 0 and s < REF_STEPS for s in steps) + 1,
+          "average": 1}
+
+
+def soak(workdir, phases, seed, cache) -> list[str]:
+  """Kills a SOAK run in each of `phases` in turn (the occurrence and the
+  moment drawn from `seed`), restarting it each time, then lets it finish;
+  returns what happened at each kill."""
+  import random
+  rng = random.Random(seed)
+  env = subprocess_env(cache)
+  cmd = [sys.executable, str(WORKER), f"--workdir={workdir}", f"--overrides={json.dumps(SOAK)}"]
+  report = []
+  for phase in phases:
+    resume = max(checkpoints.checkpoint_steps(workdir), default=0)
+    nth = rng.randint(1, phase_counts(resume)[phase])
+    delay = rng.uniform(0, {"step": 0.03, "save": 0.02}.get(phase, 0.1))
+    kill = {"phase": phase, "nth": nth, "delay": delay}
+    try:
+      proc = subprocess.run([*cmd, f"--kill={json.dumps(kill)}"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+      pytest.fail(f"timed out: {kill}\n{e.stdout}\n{e.stderr}")
+    assert proc.returncode == -signal.SIGKILL, (
+        f"not killed in {kill} (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    unfinished = [p.name for d in ("checkpoints", "checkpoints_averaged") if (workdir / d).exists()
+                  for p in (workdir / d).iterdir() if "tmp" in p.name]
+    report.append(f"{phase} #{nth} (+{delay * 1000:.0f} ms) of a run from step {resume}: "
+                  f"left {checkpoints.checkpoint_steps(workdir)}"
+                  + (f" and unfinished {unfinished}" if unfinished else ""))
+  run_checked(cmd, env, TIMEOUT_S)
+  return report
+
+
+def assert_same_as_reference(workdir, ref_dir):
+  assert checkpoints.checkpoint_steps(workdir) == [8, 16, 24]
+  for subdir in ("checkpoints", "checkpoints_averaged"):
+    assert not [p for p in (workdir / subdir).iterdir() if "tmp" in p.name]
+  state, data_state = load_state(workdir, SOAK)
   ref_state, ref_data_state = load_state(ref_dir, REF)
-  assert_trees_equal(state, ref_state)
+  assert_trees_equal(state, ref_state)       # params, Adam moments, count, RNG: bitwise
   assert data_state == ref_data_state
+  assert_trees_equal(load_params(workdir, "averaged"), load_params(ref_dir, "averaged"))
+
+
+def test_killed_anywhere_resumes_exactly(tmp_path, reference_run, compilation_cache):
+  """The default suite's soak: killed half-way through a checkpoint save,
+  then in the averaging at the end, and restarted each time."""
+  ref_dir, _ = reference_run
+  report = soak(tmp_path, ["save", "average"], seed=0, cache=compilation_cache)
+  print("\n".join(report))
+  assert "unfinished" in report[0]         # (the save was really cut short)
+  assert_same_as_reference(tmp_path, ref_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_killed_anywhere_resumes_exactly_soak(seed, tmp_path, reference_run, compilation_cache):
+  """Killed in a train step, a save and an evaluation (in a random order,
+  each at a random occurrence and moment), then in the averaging, and
+  restarted after each kill: the same state, data position and averaged
+  parameters as the uninterrupted reference, bit for bit."""
+  import random
+  ref_dir, _ = reference_run
+  phases = random.Random(seed).sample(["step", "save", "eval"], 3) + ["average"]
+  report = soak(tmp_path, phases, seed=seed, cache=compilation_cache)
+  print("\n".join(report))
+  assert_same_as_reference(tmp_path, ref_dir)
 
 
 # ----------------------------------------------------------------------------

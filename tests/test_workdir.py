@@ -1,17 +1,27 @@
 """Tests for transformer/workdir.py: the files of a run directory, the
-vocabulary rule and the choice of checkpoint (on hand-made workdirs; loading a
-trained one is tested in test_api.py and test_decode_cli.py)."""
+vocabulary rule, the choice of checkpoint, the lock and the config check (on
+hand-made workdirs; loading a trained one is tested in test_api.py and
+test_decode_cli.py, a training run meeting the lock and the check in
+test_training.py and test_train_cli.py)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from transformer import checkpoints, workdir
 from transformer.model import TransformerConfig
 from transformer.translation import OptionError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import subprocess_env  # noqa: E402
 
 MODEL_CONFIG = TransformerConfig(vocab_size=64, d_model=32, num_heads=2, d_ff=64,
                                  num_encoder_layers=1, num_decoder_layers=1)
@@ -92,3 +102,90 @@ def test_resolve_checkpoint(tmp_path):
   empty = make_workdir(tmp_path / "empty")
   with pytest.raises(FileNotFoundError, match="no checkpoint in .*python train.py"):
     workdir.resolve_checkpoint(empty, "latest")
+
+
+# ----------------------------------------------------------------------------
+# One run at a time
+# ----------------------------------------------------------------------------
+
+
+def test_a_held_workdir_refuses_a_second_holder_naming_the_first(tmp_path):
+  with workdir.hold(str(tmp_path)):
+    holder = json.loads((tmp_path / workdir.LOCK_FILE).read_text())
+    assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
+    # (flock locks an open file, not a process: a second open in this one is refused too)
+    with pytest.raises(workdir.WorkdirLocked) as info:
+      with workdir.hold(str(tmp_path)):
+        pass
+    message = str(info.value)
+    assert str(tmp_path) in message and f"PID {os.getpid()}" in message
+    assert socket.gethostname() in message and "--workdir" in message
+  assert (tmp_path / workdir.LOCK_FILE).read_text() == ""   # no stale PID left
+  with workdir.hold(str(tmp_path)):                          # released
+    pass
+
+
+HOLDER = """
+import sys, time
+from transformer import workdir
+with workdir.hold(sys.argv[1]):
+  print("holding", flush=True)
+  time.sleep(120)
+"""
+
+
+def test_the_lock_dies_with_its_process(tmp_path):
+  """A holder killed with SIGKILL leaves no stale lock (the file stays, the
+  OS lock goes)."""
+  proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], env=subprocess_env(),
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "holding"
+    with pytest.raises(workdir.WorkdirLocked, match=f"PID {proc.pid} on host"):
+      with workdir.hold(str(tmp_path)):
+        pass
+  finally:
+    proc.kill()
+    proc.wait(timeout=30)
+  assert proc.returncode == -signal.SIGKILL
+  with workdir.hold(str(tmp_path)):
+    pass
+
+
+# ----------------------------------------------------------------------------
+# Config changes on resume
+# ----------------------------------------------------------------------------
+
+
+STORED = {"model": {"d_model": 32, "num_heads": 2}, "data": {"source": "demo"},
+          "vocab_size": 128, "batch_size": 16, "num_train_steps": 10, "log_every": 5,
+          "warmup_steps": 50}
+
+
+def test_resumable_fields_may_change_and_are_returned(tmp_path):
+  assert workdir.check_config(str(tmp_path), STORED) == []          # a new workdir
+  workdir.save_configs(str(tmp_path), STORED, MODEL_CONFIG)
+  assert workdir.check_config(str(tmp_path), STORED) == []
+  longer = dict(STORED, num_train_steps=20, log_every=1, keep_checkpoints=1)
+  assert workdir.check_config(str(tmp_path), longer) == [
+      ("keep_checkpoints", workdir._MISSING, 1), ("log_every", 5, 1),
+      ("num_train_steps", 10, 20)]
+
+
+def test_fields_that_must_match_are_all_listed_with_the_ways_out(tmp_path):
+  workdir.save_configs(str(tmp_path), STORED, MODEL_CONFIG)
+  changed = dict(STORED, model={"d_model": 64, "num_heads": 2}, data={"source": "tsv"},
+                 warmup_steps=4000, num_train_steps=20, seed=1)
+  with pytest.raises(workdir.ConfigMismatch) as info:
+    workdir.check_config(str(tmp_path), changed)
+  assert info.value.differences == [("data.source", "demo", "tsv"),
+                                    ("model.d_model", 32, 64),
+                                    ("seed", workdir._MISSING, 1),
+                                    ("warmup_steps", 50, 4000)]
+  message = str(info.value)
+  for line in ['  model.d_model: 32 -> 64', '  data.source: "demo" -> "tsv"',
+               "  warmup_steps: 50 -> 4000", "  seed: (not set) -> 1"]:
+    assert line in message.splitlines(), message
+  assert str(tmp_path / workdir.CONFIG_FILE) in message
+  assert "new --workdir" in message and "drop these overrides" in message
+  assert "num_train_steps: " not in message                 # (it may change)

@@ -3,12 +3,13 @@ that runs `training.train_and_evaluate` in its own process:
 
     python tests/train_worker.py --workdir=DIR --overrides='{"num_train_steps": 4}' \
         [--num_cpu_devices=8] [--num_processes=2 --process_id=0 --port=12345] \
-        [--out=result.json]
+        [--out=result.json] [--kill='{"phase": "save", "nth": 1, "delay": 0.01}']
 
 JAX fixes its devices when the backend starts, so runs with 8 simulated CPU
 devices, or with several processes, need a process of their own. The worker
 writes the `TrainResult` (step, train/eval summaries) as JSON to --out; the
-tests read the params from the workdir's checkpoint.
+tests read the params from the workdir's checkpoint. With --kill it SIGKILLs
+itself in the middle of a phase of the run (`arm_kill`), for the soak test.
 
 Importing this module does not import JAX.
 """
@@ -76,6 +77,70 @@ def config_file_text(overrides: dict[str, Any] | None = None) -> str:
       "  return config\n")
 
 
+KILL_PHASES = ("step", "save", "eval", "average")
+
+
+def arm_kill(phase: str, nth: int, delay: float) -> None:
+  """Makes this process SIGKILL itself in the `nth` occurrence (from 1) of
+  `phase` of the training run, `delay` seconds into it:
+    step     a train step dispatched (its computation in flight);
+    save     an orbax save half-way: its background thread, writing the data
+             state while the arrays are written, in `<step>.orbax-checkpoint-tmp`;
+    eval     an evaluation (`Evaluator.__call__`), at its end at the latest;
+    average  the averaging of the last checkpoints (reading them, writing
+             the average), at its end at the latest.
+  """
+  import signal
+  import threading
+  import time
+  from transformer import checkpoints, training
+  assert phase in KILL_PHASES, phase
+  seen = [0]
+
+  def due() -> bool:
+    seen[0] += 1
+    return seen[0] == nth
+
+  def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+  if phase == "step":
+    make_step_fn = training._jit_train_step
+
+    def jit_train_step(*args, **kwargs):
+      step_fn = make_step_fn(*args, **kwargs)
+
+      def step(state, batch):
+        out = step_fn(state, batch)
+        if due():
+          time.sleep(delay)
+          kill()
+        return out
+      return step
+    training._jit_train_step = jit_train_step
+  elif phase == "save":
+    save_fn = checkpoints.ProcessJsonCheckpointHandler._save_fn
+
+    async def save_data_state(self, text, directory):
+      if due():
+        time.sleep(delay)
+        kill()
+      return await save_fn(self, text, directory)
+    checkpoints.ProcessJsonCheckpointHandler._save_fn = save_data_state
+  else:
+    owner, name = {"eval": (training.Evaluator, "__call__"),
+                   "average": (checkpoints, "average_and_save")}[phase]
+    original = getattr(owner, name)
+
+    def killed_within(*args, **kwargs):
+      if not due():
+        return original(*args, **kwargs)
+      threading.Timer(delay, kill).start()
+      original(*args, **kwargs)
+      kill()
+    setattr(owner, name, killed_within)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--workdir", required=True)
@@ -85,6 +150,8 @@ def main() -> None:
   parser.add_argument("--process_id", type=int, default=0)
   parser.add_argument("--port", type=int, default=0)
   parser.add_argument("--out", default=None)
+  parser.add_argument("--kill", default=None,
+                      help='JSON {"phase", "nth", "delay"}: SIGKILL in that phase (arm_kill)')
   args = parser.parse_args()
 
   from transformer import parallel
@@ -98,6 +165,8 @@ def main() -> None:
 
   import jax
   from transformer import training
+  if args.kill:
+    arm_kill(**json.loads(args.kill))
   config = tiny_config(json.loads(args.overrides))
   result = training.train_and_evaluate(config, args.workdir, quiet=True)
   out = {"step": result.step, "train": result.train, "eval": result.eval,

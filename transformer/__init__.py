@@ -51,7 +51,10 @@ def demo_config(**overrides):
 
 
 def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: bool = False):
-  """Trains (or resumes) into `workdir`; returns a `training.TrainResult`."""
+  """Trains (or resumes) into `workdir`; returns a `training.TrainResult`.
+  Holds the workdir while it trains (a second run there raises
+  `workdir.WorkdirLocked`) and resumes only with the config it was trained
+  with (`workdir.check_config`); the run's log is <workdir>/train.log."""
   from transformer import training
   return training.train_and_evaluate(config, workdir, quiet=quiet,
                                      train_pairs=train_pairs, eval_pairs=eval_pairs)

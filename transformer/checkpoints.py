@@ -22,6 +22,15 @@ and deleted by the next `Checkpointer` (`cleanup_tmp_directories=True`). A
 process killed at any moment therefore leaves the last finished step intact
 and restorable; a step that already exists is never written again.
 
+A full disk: before each save the Checkpointer checks that the disk has room
+for one more checkpoint (the size of the last complete one; from the second
+save on) and stops with DiskFullError, writing nothing, when it has not; a
+write that still fails for want of space (orbax reports it from its
+background threads, as RESOURCE_EXHAUSTED) becomes the same DiskFullError,
+the unfinished `<step>.orbax-checkpoint-tmp*` removed. Its message names the
+directory, the bytes needed and free, the last complete checkpoint and what
+to do.
+
 The train state is any pytree of jax arrays (e.g. {"params", "opt_state",
 "step", "rng"}; typed PRNG keys included). Restoring needs a *target*: the
 state itself, or its abstract form (`jax.eval_shape` output); leaves that carry
@@ -39,11 +48,15 @@ raises (pass `restore_data_state=False` to start the data afresh instead).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
+import shutil
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -159,6 +172,116 @@ def abstract_target(target: Any, default_sharding: jax.sharding.Sharding | None 
   return jax.tree.map(leaf, target)
 
 
+def _leaf_name(path) -> str:
+  """A leaf's key path as orbax names it in its metadata: "opt_state.0.mu.x"."""
+  parts = []
+  for key in path:
+    for attr in ("key", "idx", "name"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+  return ".".join(parts)
+
+
+# --------------------------------------------------------------------------
+# A full disk
+# --------------------------------------------------------------------------
+
+# Room asked for beyond the size of the last checkpoint: the next one may
+# differ a little (metadata), and metrics are written meanwhile.
+SPACE_MARGIN = 0.05
+
+
+class DiskFullError(OSError):
+  """A checkpoint does not fit on its disk: found before writing it, or when
+  a write failed with ENOSPC (or EDQUOT). Nothing half-written is left.
+  `str(e)` says what did not fit where, the bytes needed and free, the last
+  complete checkpoint, and what to do; the numbers are kept as attributes."""
+
+  def __init__(self, directory, what: str, needed: int, free: int, last_step: int | None,
+               *, unfinished: Sequence[str] = (), advice: str):
+    done = (f"its unfinished {', '.join(unfinished)} was removed" if unfinished
+            else "nothing was written")
+    last = f"step {last_step}" if last_step is not None else "none"
+    message = (
+        f"The disk is full: {what} needs about {_size(needed)} in {directory} and "
+        f"{_size(free)} are free; {done}. The last complete checkpoint is {last}. {advice}, "
+        f"then run the same command again: training resumes from "
+        f"{last if last_step is not None else 'the start'}.")
+    super().__init__(errno.ENOSPC, message, str(directory))
+    self.message, self.directory = message, str(directory)
+    self.needed, self.free, self.last_step = needed, free, last_step
+
+  def __str__(self) -> str:
+    return self.message
+
+
+def _size(num_bytes: int) -> str:
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if num_bytes >= scale:
+      return f"{num_bytes / scale:.1f} {unit} ({num_bytes:,} bytes)"
+  return f"{num_bytes} bytes"
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether `error`, or one it came from, is a full disk (or quota): an
+  OSError with ENOSPC / EDQUOT, or tensorstore's RESOURCE_EXHAUSTED text
+  naming one (orbax re-raises those from its background threads)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    text = str(error)
+    if ("No space left on device" in text or "Disk quota exceeded" in text
+        or f"os_error_code='{errno.ENOSPC}'" in text):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _disk_bytes(path: epath.Path) -> int:
+  """The space the files under `path` take on disk (as `du`), 0 if it is gone."""
+  total = 0
+  for root, dirs, files in os.walk(path):
+    for name in dirs + files:
+      try:
+        info = os.lstat(os.path.join(root, name))
+      except FileNotFoundError:
+        continue
+      total += max(info.st_blocks * 512, info.st_size if name in files else 0)
+  return total
+
+
+def _tree_bytes(tree: Any) -> int:
+  return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
+
+
+def _remove_unfinished(directory: epath.Path, *, settle_s: float = 0.2,
+                       timeout_s: float = 5.0) -> list[str]:
+  """Removes the `<step>.orbax-checkpoint-tmp*` entries of `directory`
+  after a failed save; returns their names. tensorstore may still finish
+  writes it had started (and recreate their directories) after orbax gave
+  up, so this removes until nothing comes back for `settle_s`."""
+  def unfinished():
+    return sorted(n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n) \
+        if os.path.isdir(directory) else []
+
+  removed: set[str] = set()
+  deadline = time.monotonic() + timeout_s
+  while (names := unfinished()) and time.monotonic() < deadline:
+    for name in names:
+      path = os.path.join(directory, name)
+      if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+      else:
+        with contextlib.suppress(OSError):
+          os.remove(path)
+    removed.update(names)
+    time.sleep(settle_s)
+  return sorted(removed)
+
+
 # --------------------------------------------------------------------------
 # Checkpointer
 # --------------------------------------------------------------------------
@@ -178,9 +301,13 @@ class Checkpointer:
     read_only: open existing checkpoints without creating or deleting anything
       (e.g. for decoding).
     subdir: directory name under `workdir`.
+    check_space: before each save, raise DiskFullError (writing nothing) if
+      the disk lacks room for one more checkpoint (module docstring).
 
   Call `close()` (or use `with Checkpointer(...) as ckpt:`) at the end so the
-  last save is finished and old steps are deleted.
+  last save is finished and old steps are deleted. A save that fails for a
+  full disk raises DiskFullError from `save()`, `wait()` or `close()`,
+  whichever first learns of it (orbax writes in the background).
   """
 
   def __init__(
@@ -192,6 +319,7 @@ class Checkpointer:
       async_save: bool = True,
       read_only: bool = False,
       subdir: str = CHECKPOINT_DIR,
+      check_space: bool = True,
   ):
     if save_every < 1:
       raise ValueError(f"save_every must be >= 1, got {save_every}.")
@@ -201,6 +329,11 @@ class Checkpointer:
     self.directory = self.workdir / subdir
     self.keep = keep
     self.save_every = save_every
+    self.check_space = check_space
+    self._saving_step: int | None = None   # the last save started
+    self._failed = False                   # a save failed: close() only releases
+    self._measured: tuple[int, int] | None = None   # (step, its bytes on disk)
+    self._state_bytes = 0                  # the arrays of the last state saved
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.AnySavePolicy([
@@ -289,10 +422,79 @@ class Checkpointer:
         DATA_ITEM: ProcessJsonSave({"data_state": data_state}),
         META_ITEM: ocp.args.JsonSave(meta),
     })
-    saved = self._manager.save(step, args=args, force=force)
+    self._state_bytes = _tree_bytes(state)
+    if self.check_space and (force or self._manager.should_save(step)):
+      self.wait()   # (orbax's save waits for the previous one first anyway)
+      self._check_space(step)
+    with self._disk_full_as_error():
+      saved = self._manager.save(step, args=args, force=force)
     if saved:
+      self._saving_step = step
       logger.info("Saving checkpoint for step %d to %s", step, self.directory)
     return saved
+
+  def _check_space(self, step: int) -> None:
+    """Raises DiskFullError, before anything is written, if the disk has
+    less room than the next checkpoint needs (`_needed_bytes`): once the size
+    of one is known (before the first, a full disk is caught when a write
+    fails). With several processes, process 0 decides for all."""
+    latest = self._finished_step()
+    if latest is None:
+      return
+    needed = self._needed_bytes(latest)
+    free = shutil.disk_usage(self.directory).free
+    fits = free >= needed
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      fits = bool(multihost_utils.broadcast_one_to_all(np.int32(fits)))
+    if not fits:
+      raise DiskFullError(self.directory, f"the checkpoint of step {step}", needed, free,
+                          latest, advice=self._advice(latest))
+
+  def _finished_step(self) -> int | None:
+    """The newest complete step, from the directory itself (not orbax's
+    bookkeeping, which may count a save that failed)."""
+    steps = ocp.utils.checkpoint_steps(self.directory) if self.directory.exists() else []
+    return max(steps) if steps else None
+
+  def _needed_bytes(self, latest: int | None) -> int:
+    """The room the next checkpoint needs: the size on disk of the last
+    complete one (measured once per step; orbax compresses, so the arrays'
+    size is only a guess, used when there is none), plus SPACE_MARGIN."""
+    if latest is not None and (self._measured is None or self._measured[0] != latest):
+      self._measured = (latest, _disk_bytes(self.directory / str(latest)))
+    size = self._measured[1] if latest is not None else self._state_bytes
+    return int(size * (1 + SPACE_MARGIN))
+
+  def _advice(self, latest: int | None) -> str:
+    """What to do when the disk is full: orbax deletes the oldest checkpoint
+    only after the next one is complete, so keeping fewer frees nothing by
+    itself; deleting old steps does."""
+    if latest is None:
+      return "Free space on that disk, or train into a workdir on a larger one"
+    keep = f"; keep fewer with config.keep_checkpoints, now {self.keep}" if self.keep else ""
+    return (f"Free space on that disk (deleting older steps in {self.directory} helps: "
+            f"step {latest} alone is enough to resume{keep})")
+
+  @contextlib.contextmanager
+  def _disk_full_as_error(self):
+    """Turns orbax's report of a full disk, from whichever call learns of it,
+    into DiskFullError, the unfinished checkpoint removed."""
+    try:
+      yield
+    except Exception as e:
+      if not is_disk_full(e):
+        raise
+      self._failed = True
+      with contextlib.suppress(Exception):  # (its other threads may still be writing)
+        self._manager.close()
+      unfinished = _remove_unfinished(self.directory)
+      steps = [int(n.split(".")[0]) for n in unfinished if n.split(".")[0].isdigit()]
+      latest = self._finished_step()
+      step = max(steps, default=self._saving_step)
+      raise DiskFullError(self.directory, f"the checkpoint of step {step}",
+                          self._needed_bytes(latest), shutil.disk_usage(self.directory).free,
+                          latest, unfinished=unfinished, advice=self._advice(latest)) from e
 
   # -- restore -----------------------------------------------------------------
 
@@ -332,7 +534,9 @@ class Checkpointer:
           f"No checkpoint for step {step} in {self.directory}; available:"
           f" {self.all_steps()}."
       )
-    items = {STATE_ITEM: ocp.args.StandardRestore(abstract_target(target_state))}
+    abstract = abstract_target(target_state)
+    self._check_fits(step, abstract)
+    items = {STATE_ITEM: ocp.args.StandardRestore(abstract)}
     if restore_data_state:
       items[DATA_ITEM] = ProcessJsonRestore()
     try:
@@ -345,6 +549,34 @@ class Checkpointer:
       ) from e
     data_state = restored[DATA_ITEM]["data_state"] if restore_data_state else None
     return restored[STATE_ITEM], data_state
+
+  def _check_fits(self, step: int, abstract: Any) -> None:
+    """Raises ValueError if the shapes saved for `step` (its metadata, one
+    small file) are not those of `abstract`, naming the first that differ:
+    orbax's own error would come after reading starts, with advice for its
+    API and "Event loop is closed" tracebacks from its reader threads."""
+    try:
+      stored = self._manager.item_metadata(step)[STATE_ITEM].tree
+    except Exception:  # (no usable metadata: leave the checks to orbax)
+      return
+    is_array = lambda x: hasattr(x, "shape") and hasattr(x, "name")
+    stored_shapes = {x.name: tuple(x.shape) for x in jax.tree.leaves(stored, is_leaf=is_array)
+                     if is_array(x)}
+    wanted = {_leaf_name(path): tuple(x.shape)
+              for path, x in jax.tree_util.tree_leaves_with_path(abstract)
+              if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)}
+    if not stored_shapes or not set(wanted) & set(stored_shapes):
+      return  # (names not comparable: leave the checks to orbax)
+    names = sorted(wanted, key=lambda name: (not name.startswith("params."), name))
+    problems = [f"{name} is {stored_shapes[name]} there, {wanted[name]} here"
+                for name in names if name in stored_shapes and stored_shapes[name] != wanted[name]]
+    problems += [f"{name} is missing there" for name in names if name not in stored_shapes]
+    if problems:
+      more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+      raise ValueError(
+          f"Could not restore {self.directory / str(step)} into the given target state: "
+          f"{'; '.join(problems[:3])}{more}. Was it written with a different model or "
+          "optimizer configuration?")
 
   def restore_metadata(self, step: int | None = None) -> dict[str, Any]:
     """The JSON metadata saved with `step` (default: the latest)."""
@@ -359,18 +591,40 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until an in-flight (async) save is finished and committed."""
-    self._manager.wait_until_finished()
+    if self._failed:
+      return
+    with self._disk_full_as_error():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for the last save, finishes deletions and releases resources."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the last save, finishes deletions and releases resources.
+    After a save failed (DiskFullError raised), only releases them."""
+    try:
+      self.wait()
+    finally:
+      if self._failed:   # (orbax would report the same failure again)
+        with contextlib.suppress(Exception):
+          self._manager.close()
+      else:
+        self._manager.close()
 
   def __enter__(self) -> Checkpointer:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc_type is None:
+      self.close()
+      return
+    # Leaving on an error: close (letting a save in flight finish: it holds
+    # good state) without hiding that error behind another, unless the disk
+    # is full, which is news the user needs more.
+    try:
+      self.close()
+    except DiskFullError:
+      raise
+    except Exception as e:
+      logger.warning("Closing the checkpoints in %s after %s failed too: %s",
+                     self.directory, exc_type.__name__, e, exc_info=True)
 
 
 # --------------------------------------------------------------------------
@@ -480,6 +734,9 @@ def save_averaged(
 
   Returns:
     The directory of the averaged checkpoint.
+  Raises:
+    DiskFullError: a write failed for want of space; the unfinished average
+      is removed (the checkpoints it was computed from are untouched).
   """
   steps = [int(s) for s in steps]
   if not steps:
@@ -496,6 +753,7 @@ def save_averaged(
       item_handlers={PARAMS_ITEM: ocp.StandardCheckpointHandler(),
                      META_ITEM: ocp.JsonCheckpointHandler()},
   )
+  closed = False
   try:
     if step in manager.all_steps():
       old = manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
@@ -510,14 +768,36 @@ def save_averaged(
     }
     if metadata:
       meta.update(metadata)
-    manager.save(step, args=ocp.args.Composite(**{
-        PARAMS_ITEM: ocp.args.StandardSave(params),
-        META_ITEM: ocp.args.JsonSave(meta),
-    }), force=True)
-    manager.wait_until_finished()
+    needed = int(_tree_bytes(params) * (1 + SPACE_MARGIN))   # (for the message)
+    try:
+      manager.save(step, args=ocp.args.Composite(**{
+          PARAMS_ITEM: ocp.args.StandardSave(params),
+          META_ITEM: ocp.args.JsonSave(meta),
+      }), force=True)
+      manager.wait_until_finished()
+    except Exception as e:
+      if not is_disk_full(e):
+        raise
+      with contextlib.suppress(Exception):  # (its other threads may still be writing)
+        manager.close()
+      closed = True
+      raise _averaged_disk_full(workdir, directory, steps, needed,
+                                _remove_unfinished(directory)) from e
   finally:
-    manager.close()
+    if not closed:
+      manager.close()
   return directory / str(step)
+
+
+def _averaged_disk_full(workdir, directory, steps, needed, unfinished=()) -> DiskFullError:
+  """DiskFullError for the averaged checkpoint: training itself is complete."""
+  latest = max(checkpoint_steps(workdir), default=None)
+  return DiskFullError(
+      directory, f"the average of steps {list(steps)}", needed,
+      shutil.disk_usage(directory).free, latest, unfinished=unfinished,
+      advice=(f"Free space on that disk (the training checkpoints in "
+              f"{epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR} are complete), or "
+              "set config.average_last=1 to skip averaging"))
 
 
 def average_and_save(

@@ -16,6 +16,7 @@ that on small hardware), checkpoint averaging.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -357,11 +358,32 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   `train_pairs` / `eval_pairs` (sequences of (source, target) strings) replace
   the data source of `config.data`, e.g. for sentence pairs held in memory.
+
+  Before anything is written the workdir is held for this run
+  (`workdir.hold`) and, before anything is loaded or compiled, the config is
+  compared with the one it was trained with (`workdir.check_config`); the
+  run's log and a fatal error's traceback go to <workdir>/train.log.
+  Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
+  workdir.ConfigMismatch, checkpoints.DiskFullError, TrainingDiverged.
   """
   _check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(workdir_lib.hold(workdir))
+    stack.enter_context(workdir_lib.run_log(workdir))
+    return _run(config, workdir, stack, quiet=quiet, train_pairs=train_pairs,
+                eval_pairs=eval_pairs)
+
+
+def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, train_pairs,
+         eval_pairs) -> TrainResult:
+  """`train_and_evaluate` in a held workdir: what it opens is closed by `stack`,
+  on every way out (a checkpointer left open on an error would keep writing
+  from its threads)."""
   is_main = jax.process_index() == 0
+  for name, stored, requested in workdir_lib.check_config(workdir, config.to_dict()):
+    logger.info("config.%s: %s -> %s (allowed on resume)", name, stored, requested)
 
   if train_pairs is None:
     train_pairs = data.load_split(config.data, "train")
@@ -377,11 +399,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   state = jax.jit(lambda: create_train_state(model_config, optimizer, config.seed),
                   out_shardings=parallel.replicated(mesh))()
   train_iter = _train_iterator(config, train_pairs, tokenizer)
-  ckpt = checkpoints.Checkpointer(workdir, keep=config.keep_checkpoints,
-                                  save_every=config.checkpoint_every)
+  stack.callback(train_iter.close)
+  ckpt = stack.enter_context(checkpoints.Checkpointer(
+      workdir, keep=config.keep_checkpoints, save_every=config.checkpoint_every))
   state, start_step = _resume(ckpt, state, train_iter, workdir)
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
+  stack.callback(writer.close)
   evaluate = Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer)
   state, step, train_summary = _train_steps(
       state, start_step, config=config, workdir=workdir,
@@ -391,9 +415,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                         enabled=is_main and not quiet))
 
   final_params, averaged = _average_last_checkpoints(config, workdir, ckpt, state, mesh)
-  ckpt.close()
   eval_summary = evaluate(final_params, step, averaged=averaged)
-  writer.close()
   return TrainResult(step=step, train=train_summary, eval=eval_summary,
                      samples=evaluate.samples, workdir=workdir)
 
@@ -438,11 +460,13 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
                  writer: metrics_lib.MetricsWriter, progress) -> tuple[dict, int, dict]:
   """Trains from `step` to `config.num_train_steps`: metrics every `log_every`
   steps, evaluation every `eval_every`, a checkpoint every `checkpoint_every`
-  and at the end. Returns (state, step, the last train metrics).
+  and at the end. Returns (state, step, the last train metrics) once the last
+  checkpoint is complete.
 
   Never loses work: interrupted (KeyboardInterrupt), it saves what was trained
-  so far (if it is sane) before stopping; on any other error it lets a save in
-  flight finish. A NaN/inf loss raises TrainingDiverged without saving.
+  so far (if it is sane) before stopping; on any other error the caller's
+  `ckpt.close()` lets a save in flight finish. A NaN/inf loss raises
+  TrainingDiverged without saving.
   """
   train_summary: dict[str, float] = {}
   window, window_start, last_log_step = None, time.perf_counter(), step
@@ -477,17 +501,10 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
     if metrics is not None and step > (ckpt.latest_step() or 0):
       progress.write(f"Interrupted: saving a checkpoint at step {step} ...")
       save(force=True)
-    ckpt.close()
-    train_iter.close()
-    raise
-  except BaseException:
-    ckpt.close()  # lets a save already in flight finish (it holds good state)
-    train_iter.close()
     raise
   finally:
     progress.close()
   ckpt.wait()
-  train_iter.close()
   return state, step, train_summary
 
 
