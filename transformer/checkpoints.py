@@ -203,9 +203,14 @@ class DiskFullError(OSError):
     done = (f"its unfinished {', '.join(unfinished)} was removed" if unfinished
             else "nothing was written")
     last = f"step {last_step}" if last_step is not None else "none"
+    if needed > free:
+      fit = f"needs about {_size(needed)} in {directory} and {_size(free)} are free"
+    else:  # a first checkpoint's size is estimated from its arrays alone
+      fit = (f"did not fit in {directory}, where {_size(free)} were free (its arrays "
+             f"alone take {_size(needed)}; orbax adds metadata)")
     message = (
-        f"The disk is full: {what} needs about {_size(needed)} in {directory} and "
-        f"{_size(free)} are free; {done}. The last complete checkpoint is {last}. {advice}, "
+        f"The disk is full: {what} {fit}; {done}. The last complete checkpoint is "
+        f"{last}. {advice}, "
         f"then run the same command again: training resumes from "
         f"{last if last_step is not None else 'the start'}.")
     super().__init__(errno.ENOSPC, message, str(directory))
