@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 
 from absl import app, flags
 from absl import logging as absl_logging
@@ -76,6 +77,9 @@ def _one_line(error: Exception, workdir: str) -> str:
               workdir_lib.WorkdirLocked, checkpoints.DiskFullError)
   if isinstance(error, expected):
     return str(error)
+  if isinstance(error, OSError) and error.filename:  # e.g. a workdir that cannot be made
+    return (f"{error.filename}: {error.strerror or error}; check the path and its "
+            f"permissions (--workdir={workdir})")
   log = workdir_lib.log_path(os.path.abspath(workdir))
   where = f"; the full traceback is in {log}" if os.path.exists(log) else ""
   return f"{type(error).__name__}: {error}{where} (include it in a bug report)"
@@ -107,7 +111,10 @@ def main(argv):
           file=sys.stderr)
     return 130
   except Exception as e:  # one line; the traceback is in the run's log
-    print(f"error: {_one_line(e, workdir)}", file=sys.stderr)
+    message = _one_line(e, workdir)
+    if message.endswith("(include it in a bug report)") and "; the full traceback is" not in message:
+      traceback.print_exc()  # no log to hold it (the run failed before writing one)
+    print(f"error: {message}", file=sys.stderr)
     return 1
   ev = result.eval
   print(f"\nTrained {result.step} steps into {result.workdir}")

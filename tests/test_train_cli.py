@@ -218,6 +218,41 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_is_in_the_log(tmp_pat
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["5"]
 
 
+def test_a_workdir_that_cannot_be_made_is_one_line_naming_it(tmp_path):
+  """A user's mistake, not a bug: the path and the reason, no bug-report advice."""
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  proc = train_py([f"--workdir={blocker}/run", "--quiet", *tiny_flags()], env_for())
+  error = one_error_line(proc)
+  assert error == (f"error: {blocker}/run: Not a directory; check the path and its "
+                   f"permissions (--workdir={blocker}/run)")
+
+
+FAIL_BEFORE_THE_WORKDIR = """
+import runpy, sys
+from transformer import training
+def fail(*args, **kwargs):
+  raise RuntimeError("injected before the workdir exists")
+training.train_and_evaluate = fail
+sys.argv[0] = "train.py"
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_bug_before_the_run_has_a_log_prints_its_traceback(tmp_path):
+  """With no train.log to hold it, the traceback of a bug goes to the console
+  (above the one error line), so that nothing a bug report needs is lost."""
+  workdir = tmp_path / "run"
+  proc = subprocess.run([sys.executable, "-c", FAIL_BEFORE_THE_WORKDIR, f"--workdir={workdir}",
+                         "--quiet"], cwd=REPO, env=env_for(), capture_output=True, text=True,
+                        timeout=TIMEOUT_S)
+  assert proc.returncode == 1, proc.stderr
+  assert "Traceback" in proc.stderr and "in fail" in proc.stderr, proc.stderr
+  assert proc.stderr.rstrip().splitlines()[-1] == (
+      "error: RuntimeError: injected before the workdir exists (include it in a bug report)")
+  assert not workdir.exists()
+
+
 @pytest.mark.parametrize("disk_kib, refused_step, last_step", [(1600, 15, 10), (600, 5, None)],
                          ids=["caught_before_writing", "caught_when_a_write_fails"])
 def test_a_full_disk_is_one_message(disk_kib, refused_step, last_step, tmp_path_factory,
