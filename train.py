@@ -68,13 +68,13 @@ def _one_line(error: Exception, workdir: str) -> str:
   """The console's message for a fatal error: its own words for the errors a
   user can meet and fix (they say what to do); for anything else, where the
   traceback is."""
-  from transformer import checkpoints, training
+  from transformer import disk_space, training
   from transformer import workdir as workdir_lib
-  if not isinstance(error, checkpoints.DiskFullError) and checkpoints.is_disk_full(error):
+  if not isinstance(error, disk_space.DiskFullError) and disk_space.is_disk_full(error):
     return (f"the disk is full ({error}). Free space on the disk of {workdir}, then run "
             "the same command again: training resumes from its last checkpoint.")
   expected = (ValueError, FileNotFoundError, training.TrainingDiverged,
-              workdir_lib.WorkdirLocked, checkpoints.DiskFullError)
+              workdir_lib.WorkdirLocked, disk_space.DiskFullError)
   if isinstance(error, expected):
     return str(error)
   if isinstance(error, OSError) and error.filename:  # e.g. a workdir that cannot be made

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import checkpoints
+from transformer import averaging, checkpoints, disk_space
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -162,35 +162,35 @@ def test_average_of_three_checkpoints(tmp_path):
       ckpt.save(step, state)
   target = jax.eval_shape(lambda: states[10]["params"])
 
-  averaged = checkpoints.average_checkpoints(tmp_path, target, num=3)
+  averaged = averaging.average_checkpoints(tmp_path, target, num=3)
   expected = jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x, np.float64) for x in xs]), 0),
                           *(states[s]["params"] for s in (20, 30, 40)))
   assert jax.tree.structure(averaged) == jax.tree.structure(expected)
   for a, e in zip(jax.tree.leaves(averaged), jax.tree.leaves(expected)):
     assert a.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(a), e, rtol=1e-6, atol=1e-6)
-  explicit = checkpoints.average_checkpoints(tmp_path, target, steps=[10, 40])
+  explicit = averaging.average_checkpoints(tmp_path, target, steps=[10, 40])
   np.testing.assert_allclose(
       explicit["embedding"],
       (np.asarray(states[10]["params"]["embedding"], np.float64)
        + np.asarray(states[40]["params"]["embedding"], np.float64)) / 2, rtol=1e-6)
 
-  params, steps = checkpoints.average_and_save(tmp_path, target, num=3)
+  params, steps = averaging.average_and_save(tmp_path, target, num=3)
   assert steps == [20, 30, 40]
-  assert checkpoints.averaged_info(tmp_path)["averaged_steps"] == [20, 30, 40]
+  assert averaging.averaged_info(tmp_path)["averaged_steps"] == [20, 30, 40]
   assert checkpoints.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == [40]
-  loaded, info = checkpoints.load_params(tmp_path, target, "averaged", with_info=True)
+  loaded, info = averaging.load_params(tmp_path, target, "averaged", with_info=True)
   assert info["kind"] == "averaged" and info["averaged_steps"] == [20, 30, 40]
   _assert_trees_equal(loaded, params)
-  _assert_trees_equal(checkpoints.load_params(tmp_path, target), params)  # auto -> averaged
-  _assert_trees_equal(checkpoints.load_params(tmp_path, target, "latest"), states[40]["params"])
-  _assert_trees_equal(checkpoints.load_params(tmp_path, target, 20), states[20]["params"])
+  _assert_trees_equal(averaging.load_params(tmp_path, target), params)  # auto -> averaged
+  _assert_trees_equal(averaging.load_params(tmp_path, target, "latest"), states[40]["params"])
+  _assert_trees_equal(averaging.load_params(tmp_path, target, 20), states[20]["params"])
   # Re-averaging other steps with the same last step replaces the checkpoint.
-  checkpoints.save_averaged(tmp_path, explicit, [10, 40])
-  assert checkpoints.averaged_info(tmp_path)["averaged_steps"] == [10, 40]
-  _assert_trees_equal(checkpoints.load_params(tmp_path, target, "averaged"), explicit)
+  averaging.save_averaged(tmp_path, explicit, [10, 40])
+  assert averaging.averaged_info(tmp_path)["averaged_steps"] == [10, 40]
+  _assert_trees_equal(averaging.load_params(tmp_path, target, "averaged"), explicit)
   with pytest.raises(FileNotFoundError):
-    checkpoints.load_params(tmp_path / "nowhere", target)
+    averaging.load_params(tmp_path / "nowhere", target)
 
 
 KILL_WRITER = textwrap.dedent("""
@@ -311,9 +311,9 @@ async def _no_space(self, text, directory):
 def _assert_disk_full_message(error, directory, step, last_step, keep=3):
   message = str(error)
   assert message.startswith(f"The disk is full: the checkpoint of step {step} "), message
-  assert (f"needs about {checkpoints._size(error.needed)} in {directory} and "
-          f"{checkpoints._size(error.free)} are free; " in message
-          or f"did not fit in {directory}, where {checkpoints._size(error.free)} were free"
+  assert (f"needs about {disk_space.format_bytes(error.needed)} in {directory} and "
+          f"{disk_space.format_bytes(error.free)} are free; " in message
+          or f"did not fit in {directory}, where {disk_space.format_bytes(error.free)} were free"
           in message), message
   assert f"The last complete checkpoint is step {last_step}." in message
   assert f"keep fewer with config.keep_checkpoints, now {keep}" in message
@@ -334,7 +334,7 @@ def test_a_full_disk_in_a_background_write_is_one_clear_error(learnt_by, tmp_pat
   ckpt.wait()
   monkeypatch.setattr(checkpoints.ProcessJsonCheckpointHandler, "_save_fn", _no_space)
   assert ckpt.save(2, _random_state(2), {"step": 2})     # started; fails in the background
-  with pytest.raises(checkpoints.DiskFullError) as info:
+  with pytest.raises(disk_space.DiskFullError) as info:
     if learnt_by == "wait":
       ckpt.wait()
     elif learnt_by == "save":
@@ -363,8 +363,8 @@ def test_free_space_is_checked_before_each_save(tmp_path, monkeypatch):
   with checkpoints.Checkpointer(tmp_path, keep=3) as ckpt:
     assert ckpt.save(1, _random_state(1))               # size unknown: not checked
     ckpt.wait()
-    size = checkpoints._disk_bytes(tmp_path / "checkpoints" / "1")
-    with pytest.raises(checkpoints.DiskFullError) as info:
+    size = disk_space.disk_bytes(tmp_path / "checkpoints" / "1")
+    with pytest.raises(disk_space.DiskFullError) as info:
       ckpt.save(2, _random_state(2))
     _assert_disk_full_message(info.value, tmp_path / "checkpoints", 2, 1)
     assert f"({int(size * 1.05):,} bytes)" in str(info.value)
@@ -381,8 +381,8 @@ def test_a_full_disk_while_averaging_keeps_the_checkpoints(tmp_path, monkeypatch
     for step in (1, 2):
       ckpt.save(step, {"params": _random_state(step)})
   monkeypatch.setattr(checkpoints.ocp.JsonCheckpointHandler, "_save_fn", _no_space)
-  with pytest.raises(checkpoints.DiskFullError) as info:
-    checkpoints.average_and_save(tmp_path, _random_state(0), num=2)
+  with pytest.raises(disk_space.DiskFullError) as info:
+    averaging.average_and_save(tmp_path, _random_state(0), num=2)
   message = str(info.value)
   assert message.startswith("The disk is full: the average of steps [1, 2] ")
   assert str(tmp_path / checkpoints.AVERAGED_DIR) in message
@@ -402,7 +402,7 @@ def test_a_real_full_disk(check_space, tmp_path):
   from orbax's threads becomes the same DiskFullError."""
   with small_disk(tmp_path / "disk", 1024) as disk:
     ckpt = checkpoints.Checkpointer(disk, keep=3, check_space=check_space)
-    with pytest.raises(checkpoints.DiskFullError) as info:
+    with pytest.raises(disk_space.DiskFullError) as info:
       for step in range(1, 6):
         ckpt.save(step, _random_state(step), {"step": step})
       ckpt.wait()

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
 from helpers import free_port, run_checked, subprocess_env  # noqa: E402
 
-from transformer import checkpoints, data, training  # noqa: E402
+from transformer import averaging, checkpoints, data, training  # noqa: E402
 from transformer import tokenizer as tokenizer_lib  # noqa: E402
 from transformer import workdir as workdir_lib  # noqa: E402
 from transformer.model import init_params  # noqa: E402
@@ -83,7 +83,7 @@ def params_target(workdir):
 
 
 def load_params(workdir, which="latest"):
-  return jax.device_get(checkpoints.load_params(str(workdir), params_target(workdir), which))
+  return jax.device_get(averaging.load_params(str(workdir), params_target(workdir), which))
 
 
 def state_target(workdir, overrides):

@@ -93,7 +93,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
   import signal
   import threading
   import time
-  from transformer import checkpoints, training
+  from transformer import averaging, checkpoints, training
   assert phase in KILL_PHASES, phase
   seen = [0]
 
@@ -129,7 +129,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
     checkpoints.ProcessJsonCheckpointHandler._save_fn = save_data_state
   else:
     owner, name = {"eval": (training.Evaluator, "__call__"),
-                   "average": (checkpoints, "average_and_save")}[phase]
+                   "average": (averaging, "average_and_save")}[phase]
     original = getattr(owner, name)
 
     def killed_within(*args, **kwargs):

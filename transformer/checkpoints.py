@@ -1,4 +1,5 @@
-"""Checkpoints: orbax CheckpointManager, exact resume, checkpoint averaging.
+"""Checkpoints: orbax CheckpointManager, exact resume (the averaged checkpoint and
+loading parameters for decoding are `averaging.py`'s).
 
 Layout inside the workdir::
 
@@ -10,10 +11,6 @@ Layout inside the workdir::
             _CHECKPOINT_METADATA, commit_success.txt    (orbax's own)
         <step>.orbax-checkpoint-tmp-<id>/     a save in progress (or killed);
                                               never listed, removed on next start
-    <workdir>/checkpoints_averaged/
-        <last averaged step>/                 one checkpoint (the newest average)
-            params/                           the averaged params pytree
-            meta/metadata                     JSON: {"averaged_steps": [...], ...}
 
 Atomicity: orbax writes every step into `<step>.orbax-checkpoint-tmp-<id>` and
 renames it to `<step>` only once every item (and every process) has finished;
@@ -24,12 +21,8 @@ and restorable; a step that already exists is never written again.
 
 A full disk: before each save the Checkpointer checks that the disk has room
 for one more checkpoint (the size of the last complete one; from the second
-save on) and stops with DiskFullError, writing nothing, when it has not; a
-write that still fails for want of space (orbax reports it from its
-background threads, as RESOURCE_EXHAUSTED) becomes the same DiskFullError,
-the unfinished `<step>.orbax-checkpoint-tmp*` removed. Its message names the
-directory, the bytes needed and free, the last complete checkpoint and what
-to do.
+save on); a write that still fails for want of space becomes the same
+`disk_space.DiskFullError`, the unfinished checkpoint removed (disk_space.py).
 
 The train state is any pytree of jax arrays (e.g. {"params", "opt_state",
 "step", "rng"}; typed PRNG keys included). Restoring needs a *target*: the
@@ -51,22 +44,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import errno
 import json
 import logging
 import os
 import shutil
-import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from transformer import parallel
+from transformer.disk_space import (SPACE_MARGIN, DiskFullError, disk_bytes, is_disk_full,
+                                    remove_unfinished, tree_bytes)
 
 logger = logging.getLogger(__name__)
 
@@ -181,110 +172,6 @@ def _leaf_name(path) -> str:
         parts.append(str(getattr(key, attr)))
         break
   return ".".join(parts)
-
-
-# --------------------------------------------------------------------------
-# A full disk
-# --------------------------------------------------------------------------
-
-# Room asked for beyond the size of the last checkpoint: the next one may
-# differ a little (metadata), and metrics are written meanwhile.
-SPACE_MARGIN = 0.05
-
-
-class DiskFullError(OSError):
-  """A checkpoint does not fit on its disk: found before writing it, or when
-  a write failed with ENOSPC (or EDQUOT). Nothing half-written is left.
-  `str(e)` says what did not fit where, the bytes needed and free, the last
-  complete checkpoint, and what to do; the numbers are kept as attributes."""
-
-  def __init__(self, directory, what: str, needed: int, free: int, last_step: int | None,
-               *, unfinished: Sequence[str] = (), advice: str):
-    done = (f"its unfinished {', '.join(unfinished)} was removed" if unfinished
-            else "nothing was written")
-    last = f"step {last_step}" if last_step is not None else "none"
-    if needed > free:
-      fit = f"needs about {_size(needed)} in {directory} and {_size(free)} are free"
-    else:  # a first checkpoint's size is estimated from its arrays alone
-      fit = (f"did not fit in {directory}, where {_size(free)} were free (its arrays "
-             f"alone take {_size(needed)}; orbax adds metadata)")
-    message = (
-        f"The disk is full: {what} {fit}; {done}. The last complete checkpoint is "
-        f"{last}. {advice}, "
-        f"then run the same command again: training resumes from "
-        f"{last if last_step is not None else 'the start'}.")
-    super().__init__(errno.ENOSPC, message, str(directory))
-    self.message, self.directory = message, str(directory)
-    self.needed, self.free, self.last_step = needed, free, last_step
-
-  def __str__(self) -> str:
-    return self.message
-
-
-def _size(num_bytes: int) -> str:
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if num_bytes >= scale:
-      return f"{num_bytes / scale:.1f} {unit} ({num_bytes:,} bytes)"
-  return f"{num_bytes} bytes"
-
-
-def is_disk_full(error: BaseException) -> bool:
-  """Whether `error`, or one it came from, is a full disk (or quota): an
-  OSError with ENOSPC / EDQUOT, or tensorstore's RESOURCE_EXHAUSTED text
-  naming one (orbax re-raises those from its background threads)."""
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-      return True
-    text = str(error)
-    if ("No space left on device" in text or "Disk quota exceeded" in text
-        or f"os_error_code='{errno.ENOSPC}'" in text):
-      return True
-    error = error.__cause__ or error.__context__
-  return False
-
-
-def _disk_bytes(path: epath.Path) -> int:
-  """The space the files under `path` take on disk (as `du`), 0 if it is gone."""
-  total = 0
-  for root, dirs, files in os.walk(path):
-    for name in dirs + files:
-      try:
-        info = os.lstat(os.path.join(root, name))
-      except FileNotFoundError:
-        continue
-      total += max(info.st_blocks * 512, info.st_size if name in files else 0)
-  return total
-
-
-def _tree_bytes(tree: Any) -> int:
-  return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(tree))
-
-
-def _remove_unfinished(directory: epath.Path, *, settle_s: float = 0.2,
-                       timeout_s: float = 5.0) -> list[str]:
-  """Removes the `<step>.orbax-checkpoint-tmp*` entries of `directory`
-  after a failed save; returns their names. tensorstore may still finish
-  writes it had started (and recreate their directories) after orbax gave
-  up, so this removes until nothing comes back for `settle_s`."""
-  def unfinished():
-    return sorted(n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n) \
-        if os.path.isdir(directory) else []
-
-  removed: set[str] = set()
-  deadline = time.monotonic() + timeout_s
-  while (names := unfinished()) and time.monotonic() < deadline:
-    for name in names:
-      path = os.path.join(directory, name)
-      if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-      else:
-        with contextlib.suppress(OSError):
-          os.remove(path)
-    removed.update(names)
-    time.sleep(settle_s)
-  return sorted(removed)
 
 
 # --------------------------------------------------------------------------
@@ -427,7 +314,7 @@ class Checkpointer:
         DATA_ITEM: ProcessJsonSave({"data_state": data_state}),
         META_ITEM: ocp.args.JsonSave(meta),
     })
-    self._state_bytes = _tree_bytes(state)
+    self._state_bytes = tree_bytes(state)
     if self.check_space and (force or self._manager.should_save(step)):
       self.wait()   # (orbax's save waits for the previous one first anyway)
       self._check_space(step)
@@ -467,7 +354,7 @@ class Checkpointer:
     complete one (measured once per step; orbax compresses, so the arrays'
     size is only a guess, used when there is none), plus SPACE_MARGIN."""
     if latest is not None and (self._measured is None or self._measured[0] != latest):
-      self._measured = (latest, _disk_bytes(self.directory / str(latest)))
+      self._measured = (latest, disk_bytes(self.directory / str(latest)))
     size = self._measured[1] if latest is not None else self._state_bytes
     return int(size * (1 + SPACE_MARGIN))
 
@@ -493,7 +380,7 @@ class Checkpointer:
       self._failed = True
       with contextlib.suppress(Exception):  # (its other threads may still be writing)
         self._manager.close()
-      unfinished = _remove_unfinished(self.directory)
+      unfinished = remove_unfinished(self.directory)
       steps = [int(n.split(".")[0]) for n in unfinished if n.split(".")[0].isdigit()]
       latest = self._finished_step()
       step = max(steps, default=self._saving_step)
@@ -637,11 +524,11 @@ class Checkpointer:
 # --------------------------------------------------------------------------
 
 
-def _step_dir(workdir, step: int, subdir: str = CHECKPOINT_DIR) -> epath.Path:
+def step_dir(workdir, step: int, subdir: str = CHECKPOINT_DIR) -> epath.Path:
   return epath.Path(os.path.abspath(workdir)) / subdir / str(int(step))
 
 
-def _restore_params_from_state(path: epath.Path, target_params: Any, params_key: str) -> Any:
+def restore_params_from_state(path: epath.Path, target_params: Any, params_key: str) -> Any:
   """Restores only `state[params_key]` from a step's `state` item."""
   abstract = {params_key: abstract_target(target_params)}
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
@@ -665,236 +552,3 @@ def checkpoint_steps(workdir: str | os.PathLike, subdir: str = CHECKPOINT_DIR) -
   if not directory.exists():
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))
-
-
-@jax.jit
-def _accumulate(acc, x):
-  return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, x)
-
-
-def average_checkpoints(
-    workdir: str | os.PathLike,
-    target_params: Any,
-    *,
-    steps: Sequence[int] | None = None,
-    num: int = 5,
-    params_key: str = PARAMS_KEY,
-) -> Any:
-  """Element-wise mean of the params of several checkpoints (as the paper did:
-  the last 5 for base models, the last 20 for big ones).
-
-  Args:
-    workdir: the run's workdir (reads `<workdir>/checkpoints`).
-    target_params: structure/dtypes/shardings of the params (concrete or
-      abstract; leaves without sharding are replicated).
-    steps: which steps; default: the newest `num` finished ones.
-    num: how many of the newest steps to average when `steps` is None.
-    params_key: the params subtree of the saved state.
-
-  Returns:
-    The averaged params, accumulated in float32, cast back to each leaf's
-    dtype, with `target_params`' structure and shardings. Which steps were
-    used: `checkpoint_steps(workdir)[-num:]` (or `steps`).
-  """
-  if steps is None:
-    available = checkpoint_steps(workdir)
-    if not available:
-      raise FileNotFoundError(f"No checkpoints to average in {epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR}.")
-    steps = available[-num:]
-  steps = [int(s) for s in steps]
-  if not steps:
-    raise ValueError("average_checkpoints: no steps given.")
-  abstract = abstract_target(target_params)
-  acc = None
-  for step in steps:
-    path = _step_dir(workdir, step) / STATE_ITEM
-    if not path.exists():
-      raise FileNotFoundError(f"No finished checkpoint {path.parent} to average.")
-    params = _restore_params_from_state(path, abstract, params_key)
-    if acc is None:
-      acc = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32, device=x.sharding), params)
-    acc = _accumulate(acc, params)
-  n = float(len(steps))
-  out = jax.jit(
-      lambda a: jax.tree.map(lambda x, t: (x / n).astype(t.dtype), a, abstract),
-      out_shardings=jax.tree.map(lambda t: t.sharding, abstract),
-  )(acc)
-  logger.info("Averaged the params of steps %s in %s", steps, workdir)
-  return out
-
-
-def save_averaged(
-    workdir: str | os.PathLike,
-    params: Any,
-    steps: Sequence[int],
-    *,
-    metadata: dict[str, Any] | None = None,
-) -> epath.Path:
-  """Saves averaged params to `<workdir>/checkpoints_averaged/<max(steps)>/`.
-
-  Only the newest averaged checkpoint is kept (the new one is written and
-  committed before the old one is deleted). Re-averaging the same steps is a
-  no-op; averaging a different set of steps with the same last step replaces
-  that checkpoint (the regular checkpoints it was computed from remain).
-
-  Returns:
-    The directory of the averaged checkpoint.
-  Raises:
-    DiskFullError: a write failed for want of space; the unfinished average
-      is removed (the checkpoints it was computed from are untouched).
-  """
-  steps = [int(s) for s in steps]
-  if not steps:
-    raise ValueError("save_averaged: no steps given.")
-  directory = epath.Path(os.path.abspath(workdir)) / AVERAGED_DIR
-  step = max(steps)
-  manager = ocp.CheckpointManager(
-      directory,
-      options=ocp.CheckpointManagerOptions(
-          preservation_policy=ocp.checkpoint_managers.LatestN(1),
-          enable_async_checkpointing=False,
-          cleanup_tmp_directories=True,
-      ),
-      item_handlers={PARAMS_ITEM: ocp.StandardCheckpointHandler(),
-                     META_ITEM: ocp.JsonCheckpointHandler()},
-  )
-  closed = False
-  try:
-    if step in manager.all_steps():
-      old = manager.restore(step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))
-      if list(old[META_ITEM].get("averaged_steps", [])) == steps:
-        logger.info("Averaged checkpoint of steps %s already exists in %s.", steps, directory)
-        return directory / str(step)
-      manager.delete(step)
-    meta = {
-        "averaged_steps": steps,
-        "num_averaged": len(steps),
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-    }
-    if metadata:
-      meta.update(metadata)
-    needed = int(_tree_bytes(params) * (1 + SPACE_MARGIN))   # (for the message)
-    try:
-      manager.save(step, args=ocp.args.Composite(**{
-          PARAMS_ITEM: ocp.args.StandardSave(params),
-          META_ITEM: ocp.args.JsonSave(meta),
-      }), force=True)
-      manager.wait_until_finished()
-    except Exception as e:
-      if not is_disk_full(e):
-        raise
-      with contextlib.suppress(Exception):  # (its other threads may still be writing)
-        manager.close()
-      closed = True
-      raise _averaged_disk_full(workdir, directory, steps, needed,
-                                _remove_unfinished(directory)) from e
-  finally:
-    if not closed:
-      manager.close()
-  return directory / str(step)
-
-
-def _averaged_disk_full(workdir, directory, steps, needed, unfinished=()) -> DiskFullError:
-  """DiskFullError for the averaged checkpoint: training itself is complete."""
-  latest = max(checkpoint_steps(workdir), default=None)
-  return DiskFullError(
-      directory, f"the average of steps {list(steps)}", needed,
-      shutil.disk_usage(directory).free, latest, unfinished=unfinished,
-      advice=(f"Free space on that disk (the training checkpoints in "
-              f"{epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR} are complete), or "
-              "set config.average_last=1 to skip averaging"))
-
-
-def average_and_save(
-    workdir: str | os.PathLike,
-    target_params: Any,
-    *,
-    num: int = 5,
-    steps: Sequence[int] | None = None,
-    params_key: str = PARAMS_KEY,
-) -> tuple[Any, list[int]]:
-  """`average_checkpoints` + `save_averaged`; returns (params, steps averaged)."""
-  if steps is None:
-    steps = checkpoint_steps(workdir)[-num:]
-    if not steps:
-      raise FileNotFoundError(f"No checkpoints to average in {epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR}.")
-  steps = [int(s) for s in steps]
-  params = average_checkpoints(workdir, target_params, steps=steps, params_key=params_key)
-  save_averaged(workdir, params, steps)
-  return params, steps
-
-
-def averaged_info(workdir: str | os.PathLike) -> dict[str, Any] | None:
-  """Metadata of the averaged checkpoint ({"averaged_steps": ..., ...}) or None."""
-  steps = checkpoint_steps(workdir, AVERAGED_DIR)
-  if not steps:
-    return None
-  path = _step_dir(workdir, steps[-1], AVERAGED_DIR) / META_ITEM / "metadata"
-  info = json.loads(path.read_text())
-  info["step"] = steps[-1]
-  return info
-
-
-def load_params(
-    workdir: str | os.PathLike,
-    target_params: Any,
-    which: str | int = "auto",
-    *,
-    params_key: str = PARAMS_KEY,
-    with_info: bool = False,
-) -> Any:
-  """Loads params for decoding.
-
-  Args:
-    workdir: the run's workdir.
-    target_params: structure/dtypes/shardings (concrete or `jax.eval_shape`
-      output; leaves without sharding are restored replicated).
-    which: "averaged" (the averaged checkpoint), "latest" (the newest training
-      checkpoint), "auto" (averaged if there is one, else latest), or a step.
-    params_key: the params subtree of the saved train state.
-    with_info: also return a dict describing what was loaded.
-
-  Returns:
-    params, or (params, info) with `with_info=True`; info has "kind"
-    ("averaged" | "step"), "step", "path" and, for averaged, "averaged_steps".
-  """
-  workdir = epath.Path(os.path.abspath(workdir))
-  if which == "auto":
-    which = "averaged" if checkpoint_steps(workdir, AVERAGED_DIR) else "latest"
-  if which == "averaged":
-    steps = checkpoint_steps(workdir, AVERAGED_DIR)
-    if not steps:
-      raise FileNotFoundError(
-          f"No averaged checkpoint in {workdir / AVERAGED_DIR}; average first"
-          " (checkpoints.average_and_save) or load which='latest'."
-      )
-    path = _step_dir(workdir, steps[-1], AVERAGED_DIR)
-    abstract = abstract_target(target_params)
-    try:
-      params = ocp.StandardCheckpointer().restore(path / PARAMS_ITEM, abstract)
-    except (ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"Could not restore {path / PARAMS_ITEM} into the given target: {e}") from e
-    info = {"kind": "averaged", "step": steps[-1], "path": str(path),
-            "averaged_steps": averaged_info(workdir)["averaged_steps"]}
-  else:
-    if which == "latest":
-      steps = checkpoint_steps(workdir)
-      if not steps:
-        raise FileNotFoundError(f"No checkpoint in {workdir / CHECKPOINT_DIR}.")
-      step = steps[-1]
-    else:
-      try:
-        step = int(which)
-      except (TypeError, ValueError):
-        raise ValueError(
-            f"which={which!r}: expected 'auto', 'averaged', 'latest' or a step number."
-        ) from None
-    path = _step_dir(workdir, step)
-    if not (path / STATE_ITEM).exists():
-      raise FileNotFoundError(
-          f"No finished checkpoint {path}; available steps: {checkpoint_steps(workdir)}."
-      )
-    params = _restore_params_from_state(path / STATE_ITEM, target_params, params_key)
-    info = {"kind": "step", "step": step, "path": str(path)}
-  logger.info("Loaded params from %s", info["path"])
-  return (params, info) if with_info else params

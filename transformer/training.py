@@ -31,7 +31,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import checkpoints, data, parallel, tokenizer as tokenizer_lib
+from transformer import averaging, checkpoints, data, parallel
+from transformer import tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
 from transformer import translation, workdir as workdir_lib
 from transformer.text_io import write_atomically
@@ -364,7 +365,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   compared with the one it was trained with (`workdir.check_config`); the
   run's log and a fatal error's traceback go to <workdir>/train.log.
   Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
-  workdir.ConfigMismatch, checkpoints.DiskFullError, TrainingDiverged.
+  workdir.ConfigMismatch, disk_space.DiskFullError, TrainingDiverged.
   """
   _check_config(config)
   workdir = os.path.abspath(workdir)
@@ -543,7 +544,7 @@ def _average_last_checkpoints(config, workdir: str, ckpt: checkpoints.Checkpoint
   average."""
   if config.average_last <= 1 or len(ckpt.all_steps()) <= 1:
     return state["params"], False
-  averaged, averaged_steps = checkpoints.average_and_save(
+  averaged, averaged_steps = averaging.average_and_save(
       workdir, state["params"], num=config.average_last)
   logger.info("Averaged checkpoints %s", averaged_steps)
   return parallel.replicate(averaged, mesh), True

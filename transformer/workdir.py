@@ -49,7 +49,7 @@ import sys
 
 import jax
 
-from transformer import checkpoints
+from transformer import averaging, checkpoints
 from transformer.text_io import write_atomically
 from transformer.model import TransformerConfig, init_params
 from transformer.tokenizer import load_tokenizer
@@ -467,7 +467,7 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     workdir: holds model_config.json, the vocabulary and checkpoints.
     checkpoint: "auto" (the averaged checkpoint if any, else the latest),
       "averaged", "latest", or a step number.
-    with_info: also return what was loaded: `checkpoints.load_params`' info
+    with_info: also return what was loaded: `averaging.load_params`' info
       ("kind": "averaged" | "step", "step", "path", and "averaged_steps").
   Returns:
     The Translator, or (Translator, info) with `with_info=True`.
@@ -483,7 +483,7 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   tokenizer = load_tokenizer(vocab_path(workdir))
   target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
   try:
-    params, info = checkpoints.load_params(workdir, target, which=which, with_info=True)
+    params, info = averaging.load_params(workdir, target, which=which, with_info=True)
   except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
     raise FileNotFoundError(f"cannot load the parameters: {e}") from e
   except ValueError as e:
