@@ -400,6 +400,9 @@ def train_dataset(
 ) -> grain.IterDataset:
   """The endless, shuffled training `grain.IterDataset` behind `train_iterator`.
 
+  Long for its options (each a stage of the grain pipeline, documented below);
+  the pipeline itself reads top to bottom: slice, shuffle, tokenize, pack or pad, batch.
+
   Exposed for callers that want to add grain stages of their own (with
   prefetch=0, e.g. `.mp_prefetch(...)` for worker processes); `iter()` of it
   gives no exit guard (`train_iterator` adds one).
