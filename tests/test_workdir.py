@@ -6,6 +6,7 @@ test_training.py and test_train_cli.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ from transformer.model import TransformerConfig
 from transformer.translation import OptionError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import subprocess_env  # noqa: E402
+from helpers import free_port, subprocess_env  # noqa: E402
 
 MODEL_CONFIG = TransformerConfig(vocab_size=64, d_model=32, num_heads=2, d_ff=64,
                                  num_encoder_layers=1, num_decoder_layers=1)
@@ -189,3 +190,48 @@ def test_fields_that_must_match_are_all_listed_with_the_ways_out(tmp_path):
   assert str(tmp_path / workdir.CONFIG_FILE) in message
   assert "new --workdir" in message and "drop these overrides" in message
   assert "num_train_steps: " not in message                 # (it may change)
+
+
+TWO_PROCESS_HOLDER = """
+import os, sys
+from transformer import parallel, workdir
+port, process_id, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+parallel.maybe_initialize_distributed(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                                      process_id=process_id, initialization_timeout=60)
+try:
+  with workdir.hold(directory):
+    print("held", flush=True)
+except workdir.WorkdirLocked as e:
+  print("refused:", e, flush=True)
+parallel.shutdown_distributed()
+"""
+
+
+@pytest.mark.parametrize("held_by_another_run", [False, True])
+def test_with_two_processes_process_0_locks_and_both_follow(tmp_path, held_by_another_run):
+  """Two JAX processes on localhost (a two-host run): process 0 takes the lock
+  and tells process 1 the outcome, so both train, or both stop naming the
+  holder (here this test's own process), never one of them alone."""
+  port = free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
+  with contextlib.ExitStack() as stack:
+    if held_by_another_run:
+      stack.enter_context(workdir.hold(str(tmp_path)))
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESS_HOLDER, str(port), str(i),
+                               str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+      outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+  for p, out in zip(procs, outputs):
+    assert p.returncode == 0, out
+    lines = [line for line in out.splitlines() if line.startswith(("held", "refused:"))]
+    if held_by_another_run:
+      assert len(lines) == 1 and lines[0].startswith("refused:"), out
+      assert f"PID {os.getpid()} on host {socket.gethostname()}" in lines[0], out
+    else:
+      assert lines == ["held"], out
