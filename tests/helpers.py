@@ -60,6 +60,27 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def run_together(commands, env, timeout: float) -> list[str]:
+  """Runs `commands` at once in the repository (e.g. the processes of one
+  multi-process JAX run) and returns their outputs (stdout and stderr). Fails
+  the test on a time-out or a non-zero exit, showing the output; no process
+  is left behind."""
+  procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for cmd in commands]
+  try:
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"timed out after {timeout}s: {commands}")
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for p, output in zip(procs, outputs):
+    assert p.returncode == 0, f"{p.args} failed:\n{output[-5000:]}"
+  return outputs
+
+
 @contextlib.contextmanager
 def small_disk(path: Path, size_kib: int):
   """A real full disk for a test: a tmpfs of `size_kib` KiB mounted at

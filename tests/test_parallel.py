@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -24,7 +23,7 @@ TIMEOUT_S = 120
 
 sys.path.insert(0, str(REPO / "tests"))
 import multiprocess_worker  # noqa: E402  (numpy-only helpers; no JAX import)
-from helpers import free_port, run_checked, subprocess_env  # noqa: E402
+from helpers import free_port, run_checked, run_together, subprocess_env  # noqa: E402
 
 
 def _numpy_sgd():
@@ -113,30 +112,10 @@ def test_eight_cpu_devices():
 def test_two_processes_on_localhost(tmp_path):
   port = free_port()
   env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
-  procs, outs = [], []
-  for pid in range(2):
-    out = tmp_path / f"result_{pid}.json"
-    outs.append(out)
-    procs.append(subprocess.Popen(
-        [sys.executable, str(WORKER), "--num_processes=2", f"--process_id={pid}",
-         f"--port={port}", "--local_devices=2", f"--out={out}",
-         f"--workdir={tmp_path / 'workdir'}"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail("two-process run timed out")
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log
+  outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
+  run_together([[sys.executable, str(WORKER), "--num_processes=2", f"--process_id={pid}",
+                 f"--port={port}", "--local_devices=2", f"--out={outs[pid]}",
+                 f"--workdir={tmp_path / 'workdir'}"] for pid in range(2)], env, TIMEOUT_S)
 
   single_out = tmp_path / "single.json"
   run_checked([sys.executable, str(WORKER), "--num_processes=1", "--local_devices=1",

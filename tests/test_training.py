@@ -37,7 +37,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
-from helpers import free_port, run_checked, subprocess_env  # noqa: E402
+from helpers import free_port, run_checked, run_together, subprocess_env  # noqa: E402
 
 from transformer import averaging, checkpoints, data, training  # noqa: E402
 from transformer import tokenizer as tokenizer_lib  # noqa: E402
@@ -463,27 +463,11 @@ def test_two_processes_match_a_single_process_replay(tmp_path):
   port = free_port()
   env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",  # loopback only
                        XLA_FLAGS=FAST_COMPILE_FLAGS)
-  procs, outs = [], []
-  for pid in range(2):
-    outs.append(tmp_path / f"result_{pid}.json")
-    procs.append(subprocess.Popen(
-        [sys.executable, str(WORKER), f"--workdir={workdir}",
-         f"--overrides={json.dumps(overrides)}", "--num_processes=2", f"--process_id={pid}",
-         f"--port={port}", "--num_cpu_devices=1", f"--out={outs[-1]}"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=TIMEOUT_S)[0])
-  except subprocess.TimeoutExpired:
-    pytest.fail("two-process training timed out")
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-5000:]
+  outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
+  run_together([[sys.executable, str(WORKER), f"--workdir={workdir}",
+                 f"--overrides={json.dumps(overrides)}", "--num_processes=2",
+                 f"--process_id={pid}", f"--port={port}", "--num_cpu_devices=1",
+                 f"--out={outs[pid]}"] for pid in range(2)], env, TIMEOUT_S)
   results = [json.loads(o.read_text()) for o in outs]
   for pid, r in enumerate(results):
     assert (r["process_index"], r["process_count"], r["device_count"]) == (pid, 2, 2)

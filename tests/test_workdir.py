@@ -22,7 +22,7 @@ from transformer.model import TransformerConfig
 from transformer.translation import OptionError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import free_port, subprocess_env  # noqa: E402
+from helpers import free_port, run_together, subprocess_env  # noqa: E402
 
 MODEL_CONFIG = TransformerConfig(vocab_size=64, d_model=32, num_heads=2, d_ff=64,
                                  num_encoder_layers=1, num_decoder_layers=1)
@@ -217,18 +217,9 @@ def test_with_two_processes_process_0_locks_and_both_follow(tmp_path, held_by_an
   with contextlib.ExitStack() as stack:
     if held_by_another_run:
       stack.enter_context(workdir.hold(str(tmp_path)))
-    procs = [subprocess.Popen([sys.executable, "-c", TWO_PROCESS_HOLDER, str(port), str(i),
-                               str(tmp_path)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-      outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-          p.wait()
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out
+    outputs = run_together([[sys.executable, "-c", TWO_PROCESS_HOLDER, str(port), str(i),
+                             str(tmp_path)] for i in range(2)], env, timeout=120)
+  for out in outputs:
     lines = [line for line in out.splitlines() if line.startswith(("held", "refused:"))]
     if held_by_another_run:
       assert len(lines) == 1 and lines[0].startswith("refused:"), out
