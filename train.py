@@ -64,10 +64,9 @@ def _no_library_errors(record: logging.LogRecord) -> bool:
   return record.levelno < logging.ERROR or record.name.startswith("transformer")
 
 
-def _one_line(error: Exception, workdir: str) -> str:
-  """The console's message for a fatal error: its own words for the errors a
-  user can meet and fix (they say what to do); for anything else, where the
-  traceback is."""
+def _user_error_message(error: Exception, workdir: str) -> str | None:
+  """The console's message for an error a user can meet and fix (its words
+  say what to do); None for anything else, a bug."""
   from transformer import disk_space, training
   from transformer import workdir as workdir_lib
   if not isinstance(error, disk_space.DiskFullError) and disk_space.is_disk_full(error):
@@ -80,8 +79,19 @@ def _one_line(error: Exception, workdir: str) -> str:
   if isinstance(error, OSError) and error.filename:  # e.g. a workdir that cannot be made
     return (f"{error.filename}: {error.strerror or error}; check the path and its "
             f"permissions (--workdir={workdir})")
+  return None
+
+
+def _report_bug(error: Exception, workdir: str) -> str:
+  """The console's message for a bug: where its traceback is, or, when the
+  run failed before writing its log, the traceback itself (printed here)."""
+  from transformer import workdir as workdir_lib
   log = workdir_lib.log_path(os.path.abspath(workdir))
-  where = f"; the full traceback is in {log}" if os.path.exists(log) else ""
+  if os.path.exists(log):
+    where = f"; the full traceback is in {log}"
+  else:
+    traceback.print_exc()
+    where = ""
   return f"{type(error).__name__}: {error}{where} (include it in a bug report)"
 
 
@@ -111,9 +121,7 @@ def main(argv):
           file=sys.stderr)
     return 130
   except Exception as e:  # one line; the traceback is in the run's log
-    message = _one_line(e, workdir)
-    if message.endswith("(include it in a bug report)") and "; the full traceback is" not in message:
-      traceback.print_exc()  # no log to hold it (the run failed before writing one)
+    message = _user_error_message(e, workdir) or _report_bug(e, workdir)
     print(f"error: {message}", file=sys.stderr)
     return 1
   ev = result.eval

@@ -19,13 +19,15 @@ On Linux, `transformer.keep_freed_memory()` before the first computation
 makes every training step on CPU 10-15% faster (see `transformer.host_memory`;
 train.py and decode.py call it themselves).
 
-The building blocks live in the submodules: `transformer.model` (the Flax
-modules), `transformer.decoding` (greedy, beam search, sampling),
+The building blocks live in the submodules (README, "How it fits together"):
+`transformer.model` (the Flax modules: the paper), `transformer.layers` (its
+speed kernels), `transformer.kv_cache` (incremental decoding),
+`transformer.decoding` (greedy, beam search, sampling),
 `transformer.translation` (strings in, strings out), `transformer.workdir`
 (what a run directory holds, and the loader), `transformer.training`,
 `transformer.data`, `transformer.demo_task` (the demo's sentence pairs),
-`transformer.tokenizer`, `transformer.checkpoints`, `transformer.parallel`,
-`transformer.plotting`.
+`transformer.tokenizer`, `transformer.checkpoints`, `transformer.averaging`,
+`transformer.parallel`, `transformer.plotting`.
 """
 
 from transformer.host_memory import keep_freed_memory
