@@ -31,7 +31,12 @@ _M_ARENA_MAX = -8        # how many heaps threads may spread over
 _SETTINGS = (
     (_M_ARENA_MAX, 1),
     (_M_MMAP_MAX, 0),
-    (_M_TRIM_THRESHOLD, 2**31 - 1),  # the largest value mallopt takes (an int)
+    # -1 turns trimming off (mallopt(3)): glibc reads the int as a size_t, so
+    # no threshold is ever reached. 2**31 - 1 (2 GiB), the largest positive
+    # int, was not enough: a step whose temporaries pass 2 GiB (shape S at
+    # 32 x 128 tokens) had the top of the heap trimmed and re-faulted on every
+    # call, 170,000 page faults per second and 38% of the CPU in the kernel.
+    (_M_TRIM_THRESHOLD, -1),
 )
 
 
