@@ -83,6 +83,10 @@ _PLOT_ATTENTION = flags.DEFINE_string(
     "panel per decoder layer (heads averaged), source pieces on x, target pieces on y.")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar and no summary line "
                            "(warnings and errors are still printed).")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None, "Directory of JAX's persistent compilation cache, or 'off' "
+    "(default: $TRANSFORMER_COMPILATION_CACHE or ~/.cache/transformer/jax): a second "
+    "decode of the same workdir compiles (almost) nothing.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", 0, "On a CPU: split it into this many JAX devices, one per core "
     "(each batch is sharded over them, so small steps run side by side instead "
@@ -228,6 +232,8 @@ def main(argv) -> int:
     return 2
   # orbax logs at INFO; keep stderr for the progress bar and the summary.
   absl_logging.set_verbosity(absl_logging.WARNING)
+  from transformer import compile_cache
+  compile_cache.enable(_COMPILATION_CACHE.value)
   try:
     run()
   except (UsageError, WorkdirError) as e:

@@ -55,6 +55,9 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "Multi-host: this process's index (or $JAX_PROCESS_ID).")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", None, "Directory of JAX's persistent compilation cache, or 'off' "
+    "(default: $TRANSFORMER_COMPILATION_CACHE or ~/.cache/transformer/jax).")
 
 
 def _no_library_errors(record: logging.LogRecord) -> bool:
@@ -106,7 +109,8 @@ def main(argv):
   from transformer import parallel
   parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                         _PROCESS_ID.value)
-  from transformer import training
+  from transformer import compile_cache, training
+  compile_cache.enable(_COMPILATION_CACHE.value)
 
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
+from transformer.flops import (forward_flops, matmul_rate, matmul_weights,  # noqa: F401
+                               training_flops_per_step)
 from transformer.model import TransformerConfig
 
 
@@ -61,75 +63,6 @@ def random_batch(config: TransformerConfig, batch: int, src_len: int, tgt_len: i
   inputs = jax.random.randint(k1, (batch, src_len), 3, config.vocab_size, jnp.int32)
   targets = jax.random.randint(k2, (batch, tgt_len), 3, config.vocab_size, jnp.int32)
   return inputs, targets
-
-
-# ----------------------------------------------------------------------------
-# FLOP model
-# ----------------------------------------------------------------------------
-
-
-def matmul_weights(config: TransformerConfig) -> dict[str, int]:
-  """Matmul weight counts (no biases, LayerNorm or embedding lookups): per
-  encoder layer; per decoder layer, split into the weights that act on target
-  positions and the cross-attention W^K, W^V that act on the source (encoder
-  output); and the output projection."""
-  d, f = config.d_model, config.d_ff
-  attention = 4 * d * d            # W^Q, W^K, W^V, W^O
-  ffn = 2 * d * f                  # W_1, W_2
-  return {"encoder_layer": attention + ffn,
-          "decoder_layer_on_target": attention + 2 * d * d + ffn,  # self; cross W^Q, W^O
-          "decoder_layer_on_source": 2 * d * d,                  # cross W^K, W^V
-          "output_projection": d * config.vocab_size}
-
-
-def forward_flops(config: TransformerConfig, batch: int, src_len: int,
-                  tgt_len: int) -> int:
-  """Model FLOPs of one forward pass (teacher forcing, logits over all targets).
-
-    2 * W_enc * N_enc * (batch * src_len)           encoder layer weights x source tokens
-  + 2 * W_dec * N_dec * (batch * tgt_len)           decoder layer weights x target tokens
-  + 2 * W_mem * N_dec * (batch * src_len)           cross-attention W^K, W^V x source tokens
-  + 2 * d_model * vocab * (batch * tgt_len)         output projection x target tokens
-  + batch * 4 * d_model * (N_enc * src^2            attention scores QK^T and AV,
-                           + N_dec * tgt^2          2 * 2 * len_q * len_k * d_model
-                           + N_dec * tgt * src)     per layer and sequence
-
-  with W_enc = 4 d^2 + 2 d d_ff, W_dec = 6 d^2 + 2 d d_ff, W_mem = 2 d^2 (matmul weights only,
-  a multiply-add counted as 2 FLOPs). The decoder self-attention is counted as
-  the full tgt x tgt square, with no discount for the causal mask (the kernels
-  compute the whole square). Embedding lookups, biases, LayerNorm, softmax and
-  the loss count 0.
-  """
-  w = matmul_weights(config)
-  n_enc, n_dec = config.num_encoder_layers, config.num_decoder_layers
-  src_tokens, tgt_tokens = batch * src_len, batch * tgt_len
-  dense = 2 * (w["encoder_layer"] * n_enc * src_tokens
-               + w["decoder_layer_on_target"] * n_dec * tgt_tokens
-               + w["decoder_layer_on_source"] * n_dec * src_tokens
-               + w["output_projection"] * tgt_tokens)
-  attention = batch * 4 * config.d_model * (
-      n_enc * src_len * src_len + n_dec * tgt_len * tgt_len + n_dec * tgt_len * src_len)
-  return int(dense + attention)
-
-
-def training_flops_per_step(config: TransformerConfig, batch: int, src_len: int,
-                            tgt_len: int) -> int:
-  """Model FLOPs of one training step: forward + backward = 3 x forward.
-
-    6 * (W_enc * N_enc * batch * src_len
-         + W_dec * N_dec * batch * tgt_len
-         + W_mem * N_dec * batch * src_len
-         + d_model * vocab * batch * tgt_len)
-  + 3 * batch * 4 * d_model * (N_enc * src^2 + N_dec * tgt^2 + N_dec * tgt * src)
-
-  i.e. 6 x (matmul weights) x (tokens they act on) plus 3 x the forward
-  attention-score and attention-value matmuls (QK^T and AV, 2 x 2 x len_q x
-  len_k x d_model each layer and sequence: encoder self, decoder self, decoder
-  cross). Decoder self-attention counts the full square, without a causal
-  discount. See `forward_flops`; embedding lookups count 0, so do the optimizer
-  update, biases, LayerNorm and softmax.
-  """
-  return 3 * forward_flops(config, batch, src_len, tgt_len)
 
 
 # ----------------------------------------------------------------------------
@@ -260,17 +193,3 @@ def matmuls_alone(fn: Callable, *args):
             for (a, b), (_, _, numbers) in zip(operands, dots)]
   flops = sum(dot_flops(lhs.shape, rhs.shape, numbers) for lhs, rhs, numbers in dots)
   return run, operands, flops
-
-
-def matmul_rate(n: int = 2048, repeats: int = 2, dtype=jnp.float32) -> float:
-  """FLOP/s of an n x n x n float32 matmul right now (best of `repeats`): the
-  peak, re-measured next to each timing so both see the same neighbours."""
-  a = jnp.ones((n, n), dtype)
-  dot = jax.jit(jnp.dot)
-  jax.block_until_ready(dot(a, a))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(dot(a, a))
-    best = min(best, time.perf_counter() - start)
-  return 2 * n ** 3 / best

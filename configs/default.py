@@ -48,6 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Optimisation (the paper's Adam and schedule; scale 1 = the paper's rate).
   config.num_train_steps = 400
+  config.train_minutes = 0.0   # > 0: stop in time to save, average and evaluate within it
   config.warmup_steps = 1000   # still warming up at the end: a gentle, steady rise
   config.learning_rate_scale = 1.0
   config.adam_b1 = 0.9
@@ -68,4 +69,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 200
   config.keep_checkpoints = 3
   config.average_last = 1             # >1: average the last N checkpoints at the end
+  # The report at the end, when the data has a test split: BLEU, chrF and the
+  # translations of the final (averaged) model, and curves.png.
+  config.test_report = True
+  config.test_decode_method = "beam"  # with eval_beam_size (decode.py's default, beam 4)
   return config

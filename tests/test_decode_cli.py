@@ -316,3 +316,25 @@ def test_vocab_path_from_config(workdir, env, tmp_path):
   config["vocab_path"] = str(other / "spm.model")
   (run / "config.json").write_text(json.dumps(config))
   _error(run_decode(env, f"--workdir={run}", stdin="a\n"), "no checkpoint", code=1)
+
+
+def test_second_decode_compiles_nothing(workdir, env, tmp_path):
+  """The persistent compilation cache is on by default (here in the directory
+  $TRANSFORMER_COMPILATION_CACHE names): the first decode.py run writes its
+  compiled programs there, the second finds them all (it writes no new one)
+  and translates the same; --compilation_cache=off writes nothing."""
+  cache = tmp_path / "cache"
+  env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+  env["TRANSFORMER_COMPILATION_CACHE"] = str(cache)
+  flags = (f"--workdir={workdir}", "--method=greedy", "--max_len=24", "--quiet")
+  first = _ok(run_decode(env, *flags, stdin=_text(LINES)))
+  entries = sorted(p.name for p in cache.iterdir())
+  assert entries, "the first run cached nothing"
+  second = _ok(run_decode(env, *flags, stdin=_text(LINES)))
+  assert sorted(p.name for p in cache.iterdir()) == entries  # every program was a hit
+  assert second.stdout_text == first.stdout_text
+
+  off_cache = tmp_path / "off"
+  _ok(run_decode(dict(env, TRANSFORMER_COMPILATION_CACHE=str(off_cache)), *flags,
+                 "--compilation_cache=off", stdin=_text(LINES)))
+  assert not off_cache.exists()

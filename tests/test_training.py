@@ -39,7 +39,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
 from helpers import free_port, run_checked, run_together, subprocess_env  # noqa: E402
 
-from transformer import averaging, checkpoints, data, training  # noqa: E402
+from transformer import averaging, checkpoints, data, stall, training  # noqa: E402
+from transformer import time_budget  # noqa: E402
 from transformer import tokenizer as tokenizer_lib  # noqa: E402
 from transformer import workdir as workdir_lib  # noqa: E402
 from transformer.model import init_params  # noqa: E402
@@ -347,8 +348,23 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
               "tokens_per_second", "steps_per_second"):
     assert key in first_train, key
   assert first_train["loss"] > result.train["loss"] + 1.0  # it went down
-  assert records[-2]["learning_rate"] == pytest.approx(
+  last_train = [r for r in records if r["split"] == "train"][-1]
+  assert last_train["learning_rate"] == pytest.approx(
       paper_lr(100, 32, config.warmup_steps, config.learning_rate_scale), rel=1e-5)
+  # MFU: the FLOP model's step over the measured peak, per window; a share.
+  assert all(0 < r["mfu"] < 1 for r in records if r["split"] == "train")
+  ratios = [r["mfu"] / r["steps_per_second"] for r in records if r["split"] == "train"]
+  assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)  # one FLOP count, one peak
+
+  # The report: the demo has a test split (8 sentences in the tiny config).
+  test_records = [r for r in records if r["split"] == "test"]
+  assert len(test_records) == 1 and test_records[0]["step"] == 100
+  assert test_records[0]["bleu"] == pytest.approx(result.test["bleu"])
+  for key in ("bleu", "chrf", "brevity_penalty", "exact_match", "sentences"):
+    assert key in result.test, key
+  translations = (tmp_path / "test_translations.txt").read_text().split("\n")
+  assert len(translations) == 8 + 1 and translations[-1] == ""
+  assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
   tags = read_tensorboard_tags(tmp_path / "tensorboard")
   assert tags["train/loss"] == train_steps
@@ -653,3 +669,100 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(case, tmp_path, reference_
     ref_state, _ = load_state(ref_dir, REF)
     assert_trees_equal(state, ref_state)
     assert [r["step"] for r in records if r["split"] == "train"][-1] == 25
+
+
+# ----------------------------------------------------------------------------
+# No silent stalls (transformer/stall.py)
+# ----------------------------------------------------------------------------
+
+
+def test_unigram_entropy_matches_the_formula():
+  # Tokens 5, 5, 6 then EOS (1) twice: p = 2/5, 1/5, 2/5.
+  p = np.array([2, 1, 2]) / 5
+  assert stall.unigram_entropy([[5, 5], [6]], eos_id=1) == pytest.approx(-(p * np.log(p)).sum())
+
+
+@pytest.mark.parametrize("overrides, stalls", [
+    # The paper's post-LN with a 10-step warm-up to 20x the paper's rate: the
+    # loss sits at the unigram level (measured: NLL 4.2-4.5 vs 4.07 from step 140).
+    ({"model.normalization": "post", "learning_rate_scale": 20.0, "warmup_steps": 10}, True),
+    # The tiny demo config as the other tests train it: learns.
+    ({"warmup_steps": 10}, False),
+])
+def test_a_stalled_run_is_told_and_a_learning_one_is_not(tmp_path, compilation_cache,
+                                                          overrides, stalls):
+  config = train_worker.tiny_config(dict(
+      overrides, num_train_steps=240, log_every=20, eval_every=10**6,
+      checkpoint_every=10**6, num_bleu_examples=0, test_report=False))
+  result = training.train_and_evaluate(config, str(tmp_path), quiet=True)
+  assert stall.check_step(10) == 210
+  if stalls:
+    assert len(result.warnings) == 1, result.warnings
+    assert "step 220: the model is not learning" in result.warnings[0]
+    assert "--config.model.normalization=pre" in result.warnings[0]
+    assert "not learning" in (tmp_path / workdir_lib.LOG_FILE).read_text()
+  else:
+    assert result.warnings == [], result.warnings
+
+
+# ----------------------------------------------------------------------------
+# Training for a time budget (transformer/time_budget.py)
+# ----------------------------------------------------------------------------
+
+
+class FakeClock:
+  def __init__(self):
+    self.now = 1000.0
+
+  def __call__(self):
+    return self.now
+
+
+def test_time_budget_keeps_what_the_end_of_the_run_needs():
+  clock = FakeClock()
+  budget = time_budget.TimeBudget(10, spent_seconds=30, num_test_sentences=100,
+                                  test_cost=3.5, clock=clock)
+  assert budget.spent() == 30 and budget.remaining() == 570
+  # Nothing measured yet: a tenth of the budget is kept.
+  assert budget.reserve_seconds() == 60
+  clock.now += 570 - 60 - 2.0          # 62 s left
+  assert not budget.should_stop(1.0)   # 1 s step + 60 s reserve < 62 s
+  assert budget.should_stop(3.0)
+  # Measured: save 2 s (the longest counts), evaluation 20 s, 0.1 s a greedy
+  # sentence: 2 + 20 + 100 x 0.1 x 3.5 + 5 s margin = 62 s.
+  budget.measured(save_seconds=2.0)
+  budget.measured(save_seconds=1.0, eval_seconds=20.0, seconds_per_sentence=0.1)
+  assert budget.reserve_seconds() == pytest.approx(2 + 20 + 35 + time_budget.MARGIN_SECONDS)
+  assert not time_budget.TimeBudget(0, clock=clock).should_stop(1e9)  # 0: no budget
+
+
+def test_warmup_longer_than_the_budget_is_told():
+  clock = FakeClock()
+  budget = time_budget.TimeBudget(10, clock=clock)  # 600 s, 60 s kept: 540 s of steps
+  # 2 steps/s: ~1080 steps; a 4000-step warm-up would never end.
+  message = time_budget.warmup_warning(4000, 0, 2.0, budget)
+  assert "about 1080 steps" in message and "--config.warmup_steps=135" in message
+  assert time_budget.warmup_warning(400, 0, 2.0, budget) is None   # ends in the first half
+  assert time_budget.warmup_warning(4000, 4000, 2.0, budget) is None  # over already
+
+
+def test_train_minutes_stops_saves_and_resumes_with_the_time_spent(tmp_path, compilation_cache):
+  """A budget far shorter than the steps: the loop stops by time, saves the
+  step it reached with the seconds spent, and a second run with the same
+  budget finds it spent (no step more) and only evaluates."""
+  config = train_worker.tiny_config(dict(
+      num_train_steps=10**6, train_minutes=0.3, log_every=10, eval_every=40,
+      checkpoint_every=10**5, num_bleu_examples=8, test_report=False))
+  first = training.train_and_evaluate(config, str(tmp_path), quiet=True)
+  assert first.stopped_by_time and 0 < first.step < 10**6
+  assert checkpoints.checkpoint_steps(tmp_path) == [first.step]  # saved where it stopped
+  with checkpoints.Checkpointer(str(tmp_path)) as ckpt:
+    spent = ckpt.restore_metadata()[time_budget.SPENT_KEY]
+  assert spent == pytest.approx(0.3 * 60)  # stopped by the budget: all of it spent
+  second = training.train_and_evaluate(config, str(tmp_path), quiet=True)
+  assert second.stopped_by_time and second.step == first.step
+  assert second.eval["loss"] == pytest.approx(first.eval["loss"], rel=1e-6)
+  # A longer budget (allowed on resume) trains on from there.
+  config.train_minutes = 0.6
+  third = training.train_and_evaluate(config, str(tmp_path), quiet=True)
+  assert third.step > first.step

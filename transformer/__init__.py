@@ -27,7 +27,9 @@ speed kernels), `transformer.kv_cache` (incremental decoding),
 (what a run directory holds, and the loader), `transformer.training`,
 `transformer.data`, `transformer.demo_task` (the demo's sentence pairs),
 `transformer.tokenizer`, `transformer.checkpoints`, `transformer.averaging`,
-`transformer.parallel`, `transformer.plotting`.
+`transformer.parallel`, `transformer.plotting`, `transformer.flops` (MFU),
+`transformer.time_budget`, `transformer.stall`, `transformer.report`,
+`transformer.compile_cache` (on by default: see there).
 """
 
 from transformer.host_memory import keep_freed_memory
@@ -57,14 +59,16 @@ def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: boo
   Holds the workdir while it trains (a second run there raises
   `workdir.WorkdirLocked`) and resumes only with the config it was trained
   with (`workdir.check_config`); the run's log is <workdir>/train.log."""
-  from transformer import training
+  from transformer import compile_cache, training
+  compile_cache.enable()
   return training.train_and_evaluate(config, workdir, quiet=quiet,
                                      train_pairs=train_pairs, eval_pairs=eval_pairs)
 
 
 def load_translator(workdir: str, checkpoint="auto"):
   """A `translation.Translator` for a trained workdir (`workdir.load_translator`)."""
-  from transformer import workdir as workdir_lib
+  from transformer import compile_cache, workdir as workdir_lib
+  compile_cache.enable()
   return workdir_lib.load_translator(workdir, checkpoint)
 
 

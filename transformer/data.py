@@ -309,6 +309,22 @@ def load_split(data_config, split: str) -> Sequence[Pair]:
   )
 
 
+def has_split(data_config, split: str) -> bool:
+  """Whether `config.data` names `split` (a test split is optional; the demo
+  and TFDS always have one unless its split name is emptied)."""
+  source = _field(data_config, "source")
+  if source == "demo":
+    return split != "test" or _field(data_config, "demo_num_test", 500) > 0
+  if source == "tsv":
+    return bool(_field(data_config, f"{split}_path", ""))
+  if source == "files":
+    return bool(_field(data_config, f"{split}_src", "")) and bool(
+        _field(data_config, f"{split}_tgt", ""))
+  if source == "tfds":
+    return split != "test" or bool(_field(data_config, "tfds_test_split", "test"))
+  return False
+
+
 def sample_sentences(pairs: Sequence[Pair], max_sentences: int = 1_000_000) -> Iterator[str]:
   """Source and target sentences from evenly spaced pairs (for the vocabulary).
 

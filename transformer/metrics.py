@@ -19,6 +19,20 @@ def bleu(hypotheses: list[str], references: list[str]) -> float:
   return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
+def translation_scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:
+  """sacrebleu's corpus BLEU and chrF (0..100; 13a tokenisation, its defaults),
+  BLEU's brevity penalty and length ratio (hypothesis / reference length: a
+  value under 1 means translations shorter than the references), and the share
+  of translations equal to their reference."""
+  bleu_score = sacrebleu.corpus_bleu(hypotheses, [references])
+  return {"bleu": float(bleu_score.score),
+          "chrf": float(sacrebleu.corpus_chrf(hypotheses, [references]).score),
+          "brevity_penalty": float(bleu_score.bp),
+          "length_ratio": float(bleu_score.sys_len / max(bleu_score.ref_len, 1)),
+          "exact_match": sum(h == r for h, r in zip(hypotheses, references))
+          / max(len(references), 1)}
+
+
 class MetricsWriter:
   """Writes scalars to `<workdir>/tensorboard/` (event files) and appends them,
   one JSON object per line, to `<workdir>/metrics.jsonl`. Only process 0 writes."""
@@ -69,5 +83,7 @@ def format_eval(step: int, summary: dict) -> str:
            f"accuracy {summary['accuracy']:.4f}", f"perplexity {summary['perplexity']:.3f}"]
   if "bleu" in summary:
     parts.append(f"BLEU {summary['bleu']:.2f}")
+    if "chrf" in summary:
+      parts.append(f"chrF {summary['chrf']:.2f}")
     parts.append(f"exact match {summary['exact_match']:.3f}")
   return ", ".join(parts)

@@ -5,8 +5,13 @@
   data (config.data)  ->  SentencePiece vocabulary (<workdir>/vocab.model)
   ->  packed token batches (grain, one shard per process)
   ->  jitted train step over a device mesh (batch sharded on "data", state replicated)
-  ->  metrics (console, TensorBoard, metrics.jsonl), periodic eval loss + BLEU
-  ->  orbax checkpoints (exact resume), average of the last N at the end.
+  ->  metrics (console, TensorBoard, metrics.jsonl; MFU: flops.py), periodic
+      eval loss + BLEU + chrF, a warning if the model is not learning (stall.py)
+  ->  orbax checkpoints (exact resume), average of the last N at the end
+  ->  the report: test BLEU / chrF and translations, curves.png (report.py).
+
+The loop ends at config.num_train_steps or, with config.train_minutes, in time
+to save, average and evaluate within the budget (time_budget.py).
 
 The paper's recipe (Section 5): Adam(0.9, 0.98, 1e-9), the learning rate
 d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), label smoothing 0.1,
@@ -31,7 +36,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import averaging, checkpoints, data, parallel
+from transformer import averaging, checkpoints, data, flops, parallel, report, stall
+from transformer import time_budget as time_budget_lib
 from transformer import tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
 from transformer import translation, workdir as workdir_lib
@@ -252,6 +258,10 @@ class TrainResult:
   eval: dict[str, float]
   samples: list[tuple[str, str, str]]  # (source, reference, translation)
   workdir: str
+  test: dict[str, float] = dataclasses.field(default_factory=dict)  # report.test_report
+  minutes: float = 0.0          # training minutes, earlier runs of the workdir included
+  stopped_by_time: bool = False  # the loop ended at config.train_minutes
+  warnings: list[str] = dataclasses.field(default_factory=list)  # stall / warm-up
 
 
 def _check_config(config) -> None:
@@ -263,6 +273,9 @@ def _check_config(config) -> None:
                "log_every", "eval_every", "checkpoint_every"):
     if int(config[name]) < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if float(config.get("train_minutes", 0)) < 0:
+    raise ValueError(f"config.train_minutes={config.train_minutes} must be >= 0 "
+                     "(0: no time budget).")
   if config.eval_batch_size % jax.local_device_count():
     raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be a multiple "
                      f"of the {jax.local_device_count()} local devices.")
@@ -311,14 +324,28 @@ class Evaluator:
                                label_smoothing=config.label_smoothing),
         in_shardings=(replicated, self._sharding), out_shardings=replicated)
     self._translator: translation.Translator | None = None
+    self.seconds = 0.0                    # of the last evaluation
+    self.seconds_per_sentence = 0.0       # of its translation
+    self.minutes = None                   # a callable -> training minutes, for the records
+
+  def translator(self, params) -> translation.Translator:
+    """The Translator, holding `params` (its decoders compile once)."""
+    if self._translator is None:
+      self._translator = translation.Translator(self.model_config, params, self.tokenizer)
+    else:
+      self._translator.set_params(params)
+    return self._translator
 
   def __call__(self, params, step: int, *, averaged: bool = False) -> dict[str, float]:
     """Evaluates `params` at `step`; the metrics go under "eval", or
     "eval_averaged" for averaged checkpoints."""
+    start = time.perf_counter()
     result = self.loss(params)
     if self.bleu_pairs:
       result.update(self.translation_scores(params))
-    self.writer.write(step, result, prefix="eval_averaged" if averaged else "eval")
+    self.seconds = time.perf_counter() - start
+    record = dict(result, minutes=self.minutes()) if self.minutes is not None else result
+    self.writer.write(step, record, prefix="eval_averaged" if averaged else "eval")
     return result
 
   def loss(self, params) -> dict[str, float]:
@@ -333,18 +360,17 @@ class Evaluator:
     return summarize_sums(sums)
 
   def translation_scores(self, params) -> dict[str, float]:
-    """BLEU and exact match of the translations of `bleu_pairs`."""
-    if self._translator is None:
-      self._translator = translation.Translator(self.model_config, params, self.tokenizer)
-    else:
-      self._translator.set_params(params)
+    """BLEU, chrF, exact match ... (`metrics.translation_scores`) of the
+    translations of `bleu_pairs`."""
+    translator = self.translator(params)
     sources = [source for source, _ in self.bleu_pairs]
     references = [target for _, target in self.bleu_pairs]
-    hypotheses = self._translator.translate(sources, method=self.config.eval_decode_method,
-                                            beam_size=self.config.eval_beam_size)
+    start = time.perf_counter()
+    hypotheses = translator.translate(sources, method=self.config.eval_decode_method,
+                                      beam_size=self.config.eval_beam_size)
+    self.seconds_per_sentence = (time.perf_counter() - start) / len(sources)
     self.samples = list(zip(sources, references, hypotheses))
-    return {"bleu": metrics_lib.bleu(hypotheses, references),
-            "exact_match": float(np.mean([h == r for h, r in zip(hypotheses, references)]))}
+    return metrics_lib.translation_scores(hypotheses, references)
 
 
 # ----------------------------------------------------------------------------
@@ -367,6 +393,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
   workdir.ConfigMismatch, disk_space.DiskFullError, TrainingDiverged.
   """
+  started = time.monotonic()
   _check_config(config)
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
@@ -374,11 +401,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     stack.enter_context(workdir_lib.hold(workdir))
     stack.enter_context(workdir_lib.run_log(workdir))
     return _run(config, workdir, stack, quiet=quiet, train_pairs=train_pairs,
-                eval_pairs=eval_pairs)
+                eval_pairs=eval_pairs, started=started)
 
 
 def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, train_pairs,
-         eval_pairs) -> TrainResult:
+         eval_pairs, started: float) -> TrainResult:
   """`train_and_evaluate` in a held workdir: what it opens is closed by `stack`,
   on every way out (a checkpointer left open on an error would keep writing
   from its threads)."""
@@ -407,18 +434,91 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   stack.callback(writer.close)
+  test_pairs = (data.load_split(config.data, "test")
+                if config.get("test_report", True) and data.has_split(config.data, "test")
+                else [])
+  budget = _time_budget(config, ckpt, len(test_pairs), started)
   evaluate = Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer)
+  evaluate.minutes = lambda: budget.spent() / 60
+  monitor = _Monitor(config, model_config, tokenizer, train_pairs, budget)
   state, step, train_summary = _train_steps(
       state, start_step, config=config, workdir=workdir,
       step_fn=_jit_train_step(config, model_config, optimizer, schedule, mesh),
-      train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer,
+      train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer, monitor=monitor,
       progress=metrics_lib.progress_bar(start_step, config.num_train_steps,
                                         enabled=is_main and not quiet))
 
   final_params, averaged = _average_last_checkpoints(config, workdir, ckpt, state, mesh)
   eval_summary = evaluate(final_params, step, averaged=averaged)
+  test_summary = {}
+  if test_pairs:
+    method = config.get("test_decode_method", "beam")
+    test_summary = report.test_report(evaluate.translator(final_params), test_pairs, workdir,
+                                      method=method, beam_size=config.eval_beam_size)
+    writer.write(step, dict(test_summary, minutes=budget.spent() / 60), prefix="test")
+    logger.info(report.format_test(test_summary, method))
+  if is_main:
+    report.save_curves(workdir)
+  if budget.enabled:
+    logger.info("The run took %.1f of its %g minutes.", budget.spent() / 60, budget.seconds / 60)
   return TrainResult(step=step, train=train_summary, eval=eval_summary,
-                     samples=evaluate.samples, workdir=workdir)
+                     samples=evaluate.samples, workdir=workdir, test=test_summary,
+                     minutes=budget.spent() / 60, stopped_by_time=monitor.stopped_by_time,
+                     warnings=monitor.warnings)
+
+
+def _time_budget(config, ckpt: checkpoints.Checkpointer, num_test: int,
+                 started: float) -> time_budget_lib.TimeBudget:
+  """config.train_minutes as a TimeBudget, counting from `started` (this run's
+  start, time.monotonic) plus the seconds the latest checkpoint records."""
+  spent = 0.0
+  if ckpt.latest_step():
+    spent = float(ckpt.restore_metadata().get(time_budget_lib.SPENT_KEY, 0.0))
+  beam = lambda method: method == "beam"
+  return time_budget_lib.TimeBudget(
+      config.get("train_minutes", 0.0), spent + (time.monotonic() - started),
+      num_test_sentences=num_test,
+      test_cost=(time_budget_lib.BEAM_COST if beam(config.get("test_decode_method", "beam"))
+                 else 1.0) / (time_budget_lib.BEAM_COST if beam(config.eval_decode_method)
+                              else 1.0))
+
+
+class _Monitor:
+  """What the loop watches besides the loss being finite: the time budget,
+  model FLOPs utilisation, a stall (stall.StallCheck) and a warm-up longer
+  than the budget (time_budget.warmup_warning). Warnings go to the log and
+  the console, once each."""
+
+  def __init__(self, config, model_config: TransformerConfig, tokenizer, train_pairs,
+               budget: time_budget_lib.TimeBudget):
+    self.config, self.budget = config, budget
+    self.stopped_by_time = False
+    self.warnings: list[str] = []
+    rows = config.batch_size * config.grad_accum_steps
+    self.flops_per_step = flops.training_flops_per_step(
+        model_config, rows, config.max_length, config.max_length)
+    self.peak_flops, self.peak_source = flops.peak_flops()
+    logger.info("MFU is measured against the %s: %.1f GFLOP/s; a step is %.2f GFLOP.",
+                self.peak_source, self.peak_flops / 1e9, self.flops_per_step / 1e9)
+    every = max(1, len(train_pairs) // 20_000)  # 20k targets are plenty for the entropy
+    targets = [train_pairs[i][1] for i in range(0, len(train_pairs), every)]
+    self.stall = stall.StallCheck(stall.unigram_entropy(
+        tokenizer.encode_batch(targets), tokenizer_lib.EOS_ID), config)
+    self._warned_warmup = False
+
+  def mfu(self, steps_per_second: float) -> float:
+    return self.flops_per_step * steps_per_second / self.peak_flops
+
+  def after_log(self, step: int, summary: dict) -> list[str]:
+    """The warnings this logging window raises (each at most once per run)."""
+    found = [self.stall.check(step, summary["nll"])]
+    if not self._warned_warmup:
+      found.append(time_budget_lib.warmup_warning(
+          self.config.warmup_steps, step, summary["steps_per_second"], self.budget))
+      self._warned_warmup = found[-1] is not None
+    found = [w for w in found if w]
+    self.warnings.extend(found)
+    return found
 
 
 def _train_iterator(config, train_pairs, tokenizer):
@@ -458,11 +558,14 @@ def _jit_train_step(config, model_config, optimizer, schedule, mesh):
 
 def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train_iter,
                  ckpt: checkpoints.Checkpointer, evaluate: Evaluator,
-                 writer: metrics_lib.MetricsWriter, progress) -> tuple[dict, int, dict]:
-  """Trains from `step` to `config.num_train_steps`: metrics every `log_every`
-  steps, evaluation every `eval_every`, a checkpoint every `checkpoint_every`
-  and at the end. Returns (state, step, the last train metrics) once the last
-  checkpoint is complete.
+                 writer: metrics_lib.MetricsWriter, monitor: _Monitor,
+                 progress) -> tuple[dict, int, dict]:
+  """Trains from `step` to `config.num_train_steps`, or until the time budget
+  (`monitor.budget`) leaves only what the end of the run needs: metrics every
+  `log_every` steps (with MFU; the monitor's warnings printed), evaluation
+  every `eval_every`, a checkpoint every `checkpoint_every` and at the end.
+  Returns (state, step, the last train metrics) once the last checkpoint is
+  complete.
 
   Never loses work: interrupted (KeyboardInterrupt), it saves what was trained
   so far (if it is sane) before stopping; on any other error the caller's
@@ -472,16 +575,33 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
   train_summary: dict[str, float] = {}
   window, window_start, last_log_step = None, time.perf_counter(), step
   metrics = None
+  budget = monitor.budget
+  step_seconds = 0.0  # of the last logging window, per step
 
   def save(force=False):
     _check_finite(float(metrics["loss"]), step, ckpt, workdir)
-    ckpt.save(step, state, data_state=train_iter.get_state(), force=force)
+    start = time.perf_counter()
+    # A run stopped by its budget has spent it all (what it kept for its end
+    # included): run again with the same budget, it trains no further.
+    spent = budget.seconds if monitor.stopped_by_time else budget.spent()
+    ckpt.save(step, state, data_state=train_iter.get_state(), force=force,
+              metadata={time_budget_lib.SPENT_KEY: spent})
+    budget.measured(save_seconds=time.perf_counter() - start)
 
   try:
-    while step < config.num_train_steps:
+    if budget.should_stop(0.0):
+      monitor.stopped_by_time = True
+      logger.info("The time budget (config.train_minutes=%g) is spent: no more steps.",
+                  budget.seconds / 60)
+    while step < config.num_train_steps and not monitor.stopped_by_time:
       state, metrics = step_fn(state, _stack_micro_batches(train_iter, config.grad_accum_steps))
       step += 1
-      last = step == config.num_train_steps
+      if budget.should_stop(step_seconds):
+        monitor.stopped_by_time = True
+        progress.write(f"step {step}: stopping for the time budget "
+                       f"(config.train_minutes={budget.seconds / 60:g}); "
+                       f"{budget.reserve_seconds():.0f} s kept to save, average and evaluate.")
+      last = step == config.num_train_steps or monitor.stopped_by_time
       window = metrics if window is None else jax.tree_util.tree_map(jnp.add, window, metrics)
       progress.update(1)
       if step % config.log_every == 0 or last:
@@ -489,12 +609,20 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
         _check_finite(float(window["loss"]), step, ckpt, workdir)
         train_summary = _train_summary(window, metrics, time.perf_counter() - window_start,
                                        step - last_log_step)
+        step_seconds = 1.0 / train_summary["steps_per_second"]
+        train_summary.update(mfu=monitor.mfu(train_summary["steps_per_second"]),
+                             minutes=budget.spent() / 60)
         writer.write(step, train_summary, prefix="train")
         progress.set_postfix(loss=f"{train_summary['loss']:.3f}",
-                             acc=f"{train_summary['accuracy']:.3f}")
+                             acc=f"{train_summary['accuracy']:.3f}",
+                             mfu=f"{train_summary['mfu']:.0%}")
+        for warning in monitor.after_log(step, train_summary):
+          logger.warning("%s", warning)  # (the console and train.log)
         window, window_start, last_log_step = None, time.perf_counter(), step
       if step % config.eval_every == 0 and not last:
         progress.write(metrics_lib.format_eval(step, evaluate(state["params"], step)))
+        budget.measured(eval_seconds=evaluate.seconds,
+                        seconds_per_sentence=evaluate.seconds_per_sentence)
         window_start = time.perf_counter()
       if ckpt.should_save(step) or last:
         save(force=last)

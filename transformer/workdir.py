@@ -75,7 +75,8 @@ CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
 # update rule (warmup_steps, learning_rate_scale, adam_*, label_smoothing,
 # grad_clip_norm); so does any field not listed here, new ones included.
 RESUMABLE_FIELDS = (
-    "num_train_steps",
+    "num_train_steps", "train_minutes", "test_report", "test_decode_method",
+    "data.test_path", "data.test_src", "data.test_tgt", "data.tfds_test_split",
     "log_every", "eval_every", "eval_batch_size", "num_eval_examples",
     "num_bleu_examples", "eval_decode_method", "eval_beam_size",
     "checkpoint_every", "keep_checkpoints", "average_last",

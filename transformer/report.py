@@ -1,0 +1,57 @@
+"""The end of a training run: the final model's scores on the test split, its
+translations, and a picture of the learning curves, all in the workdir.
+
+    <workdir>/test_translations.txt   one translation per test source line
+    <workdir>/curves.png              loss and validation BLEU (plotting.plot_training_curves)
+    <workdir>/metrics.jsonl           + a "test" record: BLEU, chrF, brevity penalty, ...
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from transformer import metrics as metrics_lib
+from transformer import plotting
+from transformer.text_io import write_lines
+
+TEST_TRANSLATIONS_FILE = "test_translations.txt"
+CURVES_FILE = "curves.png"
+
+
+def test_report(translator, pairs, workdir: str, *, method: str = "beam",
+                beam_size: int = 4) -> dict[str, float]:
+  """Translates the sources of `pairs` with `translator` (a
+  `translation.Translator` holding the final, averaged when there is one,
+  parameters), writes the translations to TEST_TRANSLATIONS_FILE and returns
+  `metrics.translation_scores` against the targets, with the number of
+  sentences and the seconds the translation took."""
+  sources = [source for source, _ in pairs]
+  references = [target for _, target in pairs]
+  start = time.perf_counter()
+  hypotheses = translator.translate(sources, method=method, beam_size=beam_size)
+  seconds = time.perf_counter() - start
+  write_lines(hypotheses, os.path.join(workdir, TEST_TRANSLATIONS_FILE))
+  scores = metrics_lib.translation_scores(hypotheses, references)
+  scores.update(sentences=float(len(pairs)), seconds=seconds)
+  return scores
+
+
+def save_curves(workdir: str) -> str | None:
+  """Draws <workdir>/metrics.jsonl into <workdir>/curves.png; returns its path
+  (None when there are no metrics yet)."""
+  path = os.path.join(workdir, metrics_lib.METRICS_FILE)
+  if not os.path.exists(path):
+    return None
+  records = plotting.read_metrics(path)
+  if not records:
+    return None
+  fig = plotting.plot_training_curves(records, title=os.path.basename(workdir.rstrip("/")))
+  return plotting.save_figure(fig, os.path.join(workdir, CURVES_FILE))
+
+
+def format_test(scores: dict[str, float], method: str) -> str:
+  """One line for the end-of-run summary."""
+  return (f"test ({int(scores['sentences'])} sentences, {method}): BLEU {scores['bleu']:.2f}, "
+          f"chrF {scores['chrf']:.2f}, brevity penalty {scores['brevity_penalty']:.3f}, "
+          f"exact match {scores['exact_match']:.1%}")
