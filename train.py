@@ -110,10 +110,10 @@ def main(argv):
   parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                         _PROCESS_ID.value)
   from transformer import compile_cache, training
-  compile_cache.enable(_COMPILATION_CACHE.value)
 
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
+  compile_cache.enable(_COMPILATION_CACHE.value)
   logging.getLogger("transformer").setLevel(logging.INFO)
   absl_logging.get_absl_handler().addFilter(_no_library_errors)
   config_path = flags.FLAGS["config"].config_filename
@@ -129,11 +129,23 @@ def main(argv):
     print(f"error: {message}", file=sys.stderr)
     return 1
   ev = result.eval
-  print(f"\nTrained {result.step} steps into {result.workdir}")
+  stopped = " (stopped by --config.train_minutes)" if result.stopped_by_time else ""
+  print(f"\nTrained {result.step} steps into {result.workdir} in {result.minutes:.1f} "
+        f"minutes{stopped}")
+  if "mfu" in result.train:
+    print(f"speed: {result.train['tokens_per_second']:,.0f} target tokens/s, "
+          f"MFU {result.train['mfu']:.0%} (last logging window)")
   summary = f"validation: loss {ev['loss']:.4f}, token accuracy {ev['accuracy']:.4f}"
   if "bleu" in ev:
-    summary += f", BLEU {ev['bleu']:.2f}, exact match {ev['exact_match']:.1%}"
+    summary += (f", BLEU {ev['bleu']:.2f}, chrF {ev['chrf']:.2f}, "
+                f"exact match {ev['exact_match']:.1%}")
   print(summary)
+  if result.test:
+    from transformer import report
+    print(report.format_test(result.test, _CONFIG.value.get("test_decode_method", "beam"))
+          + f"; translations in {os.path.join(result.workdir, report.TEST_TRANSLATIONS_FILE)}")
+  for warning in result.warnings:
+    print(f"warning: {warning}")
   for source, reference, hypothesis in result.samples[:5]:
     print(f"  {source}\n    -> {hypothesis}\n    (reference: {reference})")
   print(f"\nTranslate: echo \"{result.samples[0][0] if result.samples else 'text'}\" | "

@@ -106,6 +106,14 @@ def bench_shape(name, dropout, repeats):
           "matmuls_mfu": median([flops / r[1] / r[2] for r in rounds])}
 
 
+def _resized(shape, batch_size: int, length: int):
+  """`shape` (a common.SHAPES entry) with another batch size and/or length."""
+  def resized(**kwargs):
+    config, batch, src_len, tgt_len = shape(**kwargs)
+    return config, batch_size or batch, length or src_len, length or tgt_len
+  return resized
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", default="S,B")
@@ -115,7 +123,13 @@ def main():
   parser.add_argument("--cpu_devices", type=int, default=0,
                       help="split the CPU into this many devices (train.py "
                            "--cpu_devices): data parallel over them. 0: JAX's default (one)")
+  parser.add_argument("--batch_size", type=int, default=0, help="rows per step (0: the shape's)")
+  parser.add_argument("--length", type=int, default=0,
+                      help="source and target tokens per row (0: the shape's, 64)")
   args = parser.parse_args()
+  if args.batch_size or args.length:
+    for name, shape in list(common.SHAPES.items()):
+      common.SHAPES[name] = _resized(shape, args.batch_size, args.length)
   if args.cpu_devices:
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
   rows = [bench_shape(s, args.dropout, args.repeats) for s in args.shapes.split(",")]

@@ -79,3 +79,16 @@ def test_program_hash_ignores_where_the_code_lives_but_not_what_it_computes():
       compile_(moved_elsewhere))
   assert fingerprint.program_hash(compile_(scaled)) != fingerprint.program_hash(
       compile_(other))
+
+
+def test_rated_peaks_by_device_kind():
+  from transformer import flops
+
+  class Device:
+    def __init__(self, platform, kind):
+      self.platform, self.device_kind = platform, kind
+  assert flops.rated_peak(Device("gpu", "NVIDIA H100 80GB HBM3")) == 989e12
+  assert flops.rated_peak(Device("gpu", "NVIDIA A100-SXM4-40GB")) == 312e12
+  assert flops.rated_peak(Device("tpu", "TPU v5 lite")) == 197e12
+  assert flops.rated_peak(Device("gpu", "Some Future GPU")) is None
+  assert flops.rated_peak(Device("cpu", "cpu")) is None

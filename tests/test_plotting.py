@@ -147,3 +147,30 @@ def test_save_figure_writes_readable_png(tmp_path):
   pe = tmp_path / "pe.png"
   plotting.save_figure(plotting.plot_positional_encoding(64, 32), pe)
   _assert_not_blank(_png(pe))
+
+
+def test_training_curves_from_metrics_records(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text(
+      '{"step": 10, "split": "train", "time": 100.0, "loss": 5.0, "minutes": 0.5}\n'
+      '{"step": 20, "split": "train", "time": 160.0, "loss": 4.0, "minutes": 1.5}\n'
+      '{"step": 20, "split": "eval", "time": 170.0, "loss": 4.5, "bleu": 12.0, "minutes": 1.7}\n'
+      '{"step": 20, "split": "test", "time": 180.0, "bleu": 14.0, "chrf": 40.0, "minutes": 2.0}\n'
+      '{"step": 30, "split": "tra')          # a line cut short by a killed run
+  records = plotting.read_metrics(path)
+  assert [r["split"] for r in records] == ["train", "train", "eval", "test"]
+  fig = plotting.plot_training_curves(records, title="run")
+  loss_ax, bleu_ax = fig.axes
+  lines = {line.get_label(): line for line in loss_ax.lines}
+  assert list(lines["train"].get_xdata()) == [10, 20]
+  assert list(lines["train"].get_ydata()) == [5.0, 4.0]
+  assert list(lines["validation"].get_ydata()) == [4.5]
+  bleu = {line.get_label(): line for line in bleu_ax.lines}
+  assert list(bleu["validation"].get_xdata()) == [1.7]   # minutes, not steps
+  assert list(bleu["test"].get_ydata()) == [14.0]
+  # Without "minutes" (older records): minutes since the first record.
+  old = [dict(r) for r in records]
+  for r in old:
+    r.pop("minutes")
+  bleu = {l.get_label(): l for l in plotting.plot_training_curves(old).axes[1].lines}
+  assert list(bleu["validation"].get_xdata()) == [pytest.approx((170.0 - 100.0) / 60)]

@@ -81,6 +81,12 @@ def test_train_py_trains_and_prints_bleu_and_samples(trained):
   assert out.count("\n    -> ") == 4, out
   assert out.count("(reference: ") == 4, out
   assert "python decode.py --workdir=" in out
+  # The report: MFU, the test split (the demo's: 8 pairs in the tiny config), chrF.
+  assert re.search(r"^speed: [\d,]+ target tokens/s, MFU \d+%", out, re.M), out
+  assert "chrF" in summary
+  test_line = next(line for line in out.splitlines() if line.startswith("test ("))
+  assert test_line.startswith("test (8 sentences, beam): BLEU "), test_line
+  assert f"translations in {workdir}/test_translations.txt" in test_line
   # The overrides reached the run.
   saved = json.loads((workdir / "config.json").read_text())
   assert saved["model"]["d_model"] == 32 and saved["num_train_steps"] == 20
