@@ -12,6 +12,12 @@ import pytest
 # wants a cache passes one (the fixture below, helpers.subprocess_env).
 os.environ["TRANSFORMER_COMPILATION_CACHE"] = "off"
 
+# Comparisons against float64 numpy hold to ~1e-5 only if a float32 matmul is
+# a float32 matmul: TPUs default to bfloat16 passes and GPUs to TF32. Pinned
+# for every in-process test; helpers.subprocess_env passes it to subprocesses.
+# (On CPU it changes nothing: XLA's CPU matmuls are always full float32.)
+jax.config.update("jax_default_matmul_precision", "highest")
+
 from helpers import CACHE_SETTINGS
 
 

@@ -33,6 +33,7 @@ def subprocess_env(cache_dir=None, **extra: str) -> dict[str, str]:
          if "proxy" not in k.lower() and not k.startswith(("JAX_", "XLA_"))}
   env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
   env["JAX_PLATFORMS"] = "cpu"
+  env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # as conftest.py pins it in-process
   if cache_dir is not None:
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     for name, value in CACHE_SETTINGS.items():

@@ -102,3 +102,28 @@ def test_freed_memory_above_2_gib_is_kept():
   the next step, as it was: 170,000 page faults/s, 38% system time)."""
   assert _trim("int_max") == "trimmed"   # the premise: a 2 GiB threshold trims it
   assert _trim("on") == "kept"
+
+
+def test_only_on_the_cpu_backend(monkeypatch):
+  """On a GPU/TPU job the settings would only serialise host threads on one
+  heap: keep_freed_memory applies them only when JAX will run on the CPU."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  assert not host_memory.runs_on_cpu()
+  assert host_memory.keep_freed_memory() is False
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
+  assert not host_memory.runs_on_cpu()
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert host_memory.runs_on_cpu()
+  # No platform named: JAX takes an installed GPU/TPU plugin.
+  monkeypatch.delenv("JAX_PLATFORMS")
+  monkeypatch.setattr(host_memory, "accelerator_plugins", lambda: ["xla_cuda12"])
+  assert not host_memory.runs_on_cpu() and host_memory.keep_freed_memory() is False
+  monkeypatch.setattr(host_memory, "accelerator_plugins", lambda: [])
+  assert host_memory.runs_on_cpu()
+
+
+def test_no_accelerator_plugin_found_on_a_cpu_install():
+  import jax
+  if jax.default_backend() != "cpu":
+    pytest.skip("a GPU/TPU install")
+  assert host_memory.accelerator_plugins() == []

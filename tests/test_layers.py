@@ -88,3 +88,35 @@ def test_layer_norm_matches_numpy_and_its_gradients_match_autodiff():
   params = L.LayerNorm().init(jax.random.key(0), x)
   jax.tree_util.tree_map(np.testing.assert_array_equal, params,
                          nn.LayerNorm().init(jax.random.key(0), x))
+
+
+def test_layer_norm_gradient_row_means_ask_for_highest_precision():
+  """The VJP's two matrix-vector products are row sums: on TPUs / GPUs a
+  float32 dot at default precision is a bfloat16 / TF32 one. Every dot of the
+  backward pass must carry Precision.HIGHEST, whatever the default is."""
+  x = jnp.ones((4, 8), jnp.float32)
+  scale, bias = jnp.ones((8,)), jnp.zeros((8,))
+  grad = jax.grad(lambda x, s, b: L.layer_norm(x, s, b, 1e-6).sum(), argnums=(0, 1, 2))
+  with jax.default_matmul_precision("default"):
+    jaxpr = jax.make_jaxpr(grad)(x, scale, bias)
+  dots = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        dots.append(eqn.params["precision"])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+            walk(sub.jaxpr)
+          elif hasattr(sub, "eqns"):
+            walk(sub)
+  walk(jaxpr.jaxpr)
+  assert len(dots) == 2, dots
+  highest = jax.lax.Precision.HIGHEST
+  assert all(p == (highest, highest) for p in dots), dots
+
+
+def test_the_suite_runs_at_highest_matmul_precision():
+  """conftest.py pins it, so that numpy comparisons hold on TF32 / bfloat16 MXUs."""
+  assert jax.config.jax_default_matmul_precision == "highest"

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
+import importlib.util
 import os
+import pkgutil
 import platform
 
 # mallopt(3) parameters, from glibc's malloc.h.
@@ -40,10 +43,39 @@ _SETTINGS = (
 )
 
 
+def accelerator_plugins() -> list[str]:
+  """The GPU/TPU backends JAX would load (found without starting JAX): its
+  `jax_plugins` (CUDA, ROCm: entry points or the namespace package) and libtpu."""
+  found = [entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")]
+  try:
+    import jax_plugins  # a namespace package: one module per installed plugin
+    found += [module.name for module in pkgutil.iter_modules(jax_plugins.__path__)]
+  except ImportError:
+    pass
+  if importlib.util.find_spec("libtpu") is not None:
+    found.append("libtpu")
+  return sorted(set(found))
+
+
+def runs_on_cpu() -> bool:
+  """Whether this process's JAX computations will run on the CPU backend:
+  $JAX_PLATFORMS names cpu first, or names nothing and no GPU/TPU plugin is
+  installed (JAX would take it)."""
+  platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+  if platforms:
+    return platforms.split(",")[0] == "cpu"
+  return not accelerator_plugins()
+
+
 def keep_freed_memory() -> bool:
   """Applies the settings above through glibc's `mallopt`. Returns whether they
-  were applied: False off Linux/glibc or when TRANSFORMER_KEEP_FREED_MEMORY=0."""
+  were applied: False off Linux/glibc, when TRANSFORMER_KEEP_FREED_MEMORY=0,
+  and when JAX will run on a GPU or TPU (`runs_on_cpu`): there XLA's buffers
+  live in device memory, and one arena would only make the host threads of
+  the input pipeline and the runtime contend for one heap lock."""
   if os.environ.get("TRANSFORMER_KEEP_FREED_MEMORY", "1") == "0":
+    return False
+  if not runs_on_cpu():
     return False
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return False

@@ -112,8 +112,11 @@ def _layer_norm_bwd(epsilon, residuals, g):
   x_hat, inv_std, scale = residuals
   d = x_hat.shape[-1]
   g_x_hat = g * x_hat
-  mean_gs = jnp.dot(g, scale)[..., None] / d
-  mean_gs_x_hat = jnp.dot(g_x_hat, scale)[..., None] / d
+  # Row means written as matrix-vector products: on TPUs (bfloat16 passes by
+  # default) and GPUs (TF32) a float32 dot is not a float32 sum unless asked.
+  highest = jax.lax.Precision.HIGHEST
+  mean_gs = jnp.dot(g, scale, precision=highest)[..., None] / d
+  mean_gs_x_hat = jnp.dot(g_x_hat, scale, precision=highest)[..., None] / d
   dx = inv_std * (g * scale - mean_gs - x_hat * mean_gs_x_hat)
   positions = tuple(range(g.ndim - 1))
   return dx, g_x_hat.sum(positions), g.sum(positions)
