@@ -193,3 +193,57 @@ def matmuls_alone(fn: Callable, *args):
             for (a, b), (_, _, numbers) in zip(operands, dots)]
   flops = sum(dot_flops(lhs.shape, rhs.shape, numbers) for lhs, rhs, numbers in dots)
   return run, operands, flops
+
+
+# ----------------------------------------------------------------------------
+# Collectives in compiled HLO
+# ----------------------------------------------------------------------------
+
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s64": 8,
+                "u64": 8, "pred": 1, "s8": 1, "u8": 1}
+
+
+def _shape_bytes(shape_text: str) -> tuple[int, set[str]]:
+  """(bytes, dtypes) of an HLO result shape such as `(f32[32,64]{1,0}, s32[])`."""
+  total, dtypes = 0, set()
+  for dtype, dims in __import__("re").findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
+    if dtype in _DTYPE_BYTES:
+      dtypes.add(dtype)
+      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+  return total, dtypes
+
+
+def collectives(hlo_text: str, op: str = "all-reduce") -> list[dict]:
+  """Every `op` (all-reduce, all-gather, reduce-scatter, ...) of a compiled
+  module's text (`jit(f).lower(...).compile().as_text()`): its computation,
+  whether that is a while loop's body (or called from one: run once per
+  iteration), its result bytes and dtypes."""
+  import re
+  computations, current = {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)
+    if header and not line.startswith(" "):
+      current = header.group(1).lstrip("%")
+      computations[current] = []
+    elif current is not None:
+      computations[current].append(line)
+  calls = {name: set(re.findall(r"(?:body|condition|to_apply|calls|branch_computations)="
+                                r"\{?%?([\w.\-]+)", "\n".join(lines)))
+           for name, lines in computations.items()}
+  in_loop = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+  frontier = list(in_loop)
+  while frontier:  # what a loop body calls runs once per iteration too
+    for callee in calls.get(frontier.pop(), ()):
+      if callee not in in_loop:
+        in_loop.add(callee)
+        frontier.append(callee)
+  found = []
+  pattern = re.compile(r"=\s*(.*?)\s" + re.escape(op) + r"(?:-start)?\(")
+  for name, lines in computations.items():
+    for line in lines:
+      match = pattern.search(line)
+      if match:
+        size, dtypes = _shape_bytes(match.group(1))
+        found.append({"computation": name, "in_loop": name in in_loop, "bytes": size,
+                      "dtypes": sorted(dtypes)})
+  return found

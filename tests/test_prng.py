@@ -92,3 +92,51 @@ def test_uniform_below_at_the_threshold(p):
   bits = (mantissas << 9) | np.uint32(0x1FF)  # the low 9 bits must not matter
   u = (((mantissas | np.uint32(0x3F800000)).view(np.float32)) - np.float32(1.0))
   np.testing.assert_array_equal(prng._uniform_below(jnp.asarray(bits), p), u < np.float32(p))
+
+
+# A [256, 128, 512] float32 batch sharded on its rows over 8 simulated devices
+# (one shard: 32 rows, 2M elements, 8 MiB). Prints, for prng.dropout and for the
+# same dropout through jax.random.bernoulli: the compiled temporaries in bytes
+# and the largest uint32 array of the partitioned program (in elements); then
+# whether the two outputs are equal.
+_SHARDED_DROPOUT = """
+import re, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from transformer import prng
+sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
+x = jax.device_put(jnp.arange(256 * 128 * 512, dtype=jnp.float32).reshape(256, 128, 512),
+                   sharding)
+key = jax.random.key(7)
+def with_jax(x, key):
+  keep = jax.random.bernoulli(key, 0.9, x.shape)
+  return jax.lax.select(keep, x / 0.9, jnp.zeros_like(x))
+outputs = []
+for fn in (lambda x, key: prng.dropout(x, 0.1, key), with_jax):
+  jitted = jax.jit(fn, in_shardings=(sharding, None), out_shardings=sharding)
+  compiled = jitted.lower(x, key).compile()
+  u32 = [int(np.prod([int(d) for d in dims.split(",") if d]))
+         for dims in re.findall(r"u32\\[([\\d,]*)\\]", compiled.as_text())]
+  print(compiled.memory_analysis().temp_size_in_bytes, max(u32 or [0]))
+  outputs.append(jitted(x, key))
+print(bool((outputs[0] == outputs[1]).all()))
+"""
+
+
+def test_dropout_of_a_sharded_batch_stays_per_shard():
+  """On 8 devices, prng.dropout's masks are made where they are used: no
+  temporary buffer, no uint32 array larger than one device's shard, and the
+  same output as jax.random.bernoulli's dropout (which needs 24 MiB of
+  temporaries for this batch: the premise that makes the test discriminate)."""
+  import subprocess
+  import sys
+  from helpers import subprocess_env
+  env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = subprocess.run([sys.executable, "-c", _SHARDED_DROPOUT], env=env, capture_output=True,
+                       text=True, timeout=300, check=True).stdout.split("\n")
+  (ours_temp, ours_u32), (jax_temp, jax_u32) = (map(int, line.split()) for line in out[:2])
+  shard = 256 * 128 * 512 // 8
+  assert ours_temp <= 1024, ours_temp           # (a scalar or two)
+  assert ours_u32 <= shard, (ours_u32, shard)
+  assert jax_temp >= 16 * 2**20, jax_temp       # the premise
+  assert out[2] == "True"
