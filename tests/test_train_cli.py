@@ -64,7 +64,7 @@ def trained(tmp_path_factory):
   """A 20-step run of the tiny model: (workdir, the finished process)."""
   workdir = tmp_path_factory.mktemp("cli") / "run"
   proc = train_py([f"--workdir={workdir}", "--quiet",
-                   *tiny_flags(num_train_steps=20, num_bleu_examples=4)],
+                   *tiny_flags(num_train_steps=20, num_bleu_examples=4, test_report=True)],
                   env_for(cache_dir(tmp_path_factory)))
   return workdir, proc
 

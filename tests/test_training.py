@@ -312,7 +312,7 @@ def test_gradient_accumulation_equals_one_big_batch(tokenizer):
 def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
   # REF's batches (2 x 16 rows per update) and optimizer: its compiled step is reused.
   overrides = dict(REF, num_train_steps=100, log_every=25, eval_every=50, checkpoint_every=50,
-                   average_last=1)
+                   average_last=1, test_report=True)
   start = time.perf_counter()
   result = train(tmp_path, overrides)
   elapsed = time.perf_counter() - start

@@ -31,6 +31,7 @@ TINY_OVERRIDES: dict[str, Any] = {
     "data.demo_num_train": 1000,
     "data.demo_num_eval": 64,
     "data.demo_num_test": 8,
+    "test_report": False,   # on in the tests of the report (it decodes the test split)
     "vocab_size": 128,
     "batch_size": 16,
     "max_length": 32,
