@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import statistics
 import time
 from typing import Callable
@@ -206,7 +207,7 @@ _DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s6
 def _shape_bytes(shape_text: str) -> tuple[int, set[str]]:
   """(bytes, dtypes) of an HLO result shape such as `(f32[32,64]{1,0}, s32[])`."""
   total, dtypes = 0, set()
-  for dtype, dims in __import__("re").findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
+  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape_text):
     if dtype in _DTYPE_BYTES:
       dtypes.add(dtype)
       total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
@@ -218,7 +219,6 @@ def collectives(hlo_text: str, op: str = "all-reduce") -> list[dict]:
   module's text (`jit(f).lower(...).compile().as_text()`): its computation,
   whether that is a while loop's body (or called from one: run once per
   iteration), its result bytes and dtypes."""
-  import re
   computations, current = {}, None
   for line in hlo_text.splitlines():
     header = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)

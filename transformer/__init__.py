@@ -28,7 +28,7 @@ speed kernels), `transformer.kv_cache` (incremental decoding),
 `transformer.data`, `transformer.demo_task` (the demo's sentence pairs),
 `transformer.tokenizer`, `transformer.checkpoints`, `transformer.averaging`,
 `transformer.parallel`, `transformer.plotting`, `transformer.flops` (MFU),
-`transformer.time_budget`, `transformer.stall`, `transformer.report`,
+`transformer.run_monitor`, `transformer.time_budget`, `transformer.stall`, `transformer.report`,
 `transformer.compile_cache` (on by default: see there).
 """
 

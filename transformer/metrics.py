@@ -1,4 +1,5 @@
-"""Metrics out: TensorBoard event files, metrics.jsonl, a tqdm progress bar, BLEU."""
+"""Metrics out: TensorBoard event files, metrics.jsonl, a tqdm progress bar,
+BLEU / chrF (sacrebleu)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,6 @@ import tqdm
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-
-
-def bleu(hypotheses: list[str], references: list[str]) -> float:
-  """Corpus BLEU (sacrebleu's default 13a tokenisation), 0..100."""
-  return float(sacrebleu.corpus_bleu(hypotheses, [references]).score)
 
 
 def translation_scores(hypotheses: list[str], references: list[str]) -> dict[str, float]:

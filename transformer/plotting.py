@@ -26,6 +26,7 @@ Attention heat maps follow the paper's appendix figures: rows are the target
 from __future__ import annotations
 
 import io
+import json
 import math
 import os
 import sys
@@ -299,7 +300,6 @@ def save_cross_attention_plots(translator, sources: Sequence[str], translations:
 def read_metrics(path: str | os.PathLike) -> list[dict]:
   """The records of a metrics.jsonl (`metrics.MetricsWriter`), in order; a
   last line cut short by a killed run is skipped."""
-  import json
   records = []
   with open(path, encoding="utf-8") as f:
     for line in f:

@@ -37,6 +37,11 @@ BEAM_COST = 3.5               # seconds of a beam-4 sentence / seconds of a gree
 MARGIN_SECONDS = 5.0          # for what is not measured (averaging, writing the report)
 
 
+def decode_cost(method: str) -> float:
+  """Seconds of translating a sentence with `method`, in greedy sentences."""
+  return BEAM_COST if method == "beam" else 1.0
+
+
 class TimeBudget:
   """A deadline for the training loop.
 

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import averaging, checkpoints, data, flops, parallel, report, stall
+from transformer import averaging, checkpoints, data, parallel, report, run_monitor
 from transformer import time_budget as time_budget_lib
 from transformer import tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
@@ -310,7 +310,7 @@ class Evaluator:
 
   def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
                tokenizer: tokenizer_lib.Tokenizer, eval_pairs, mesh,
-               writer: metrics_lib.MetricsWriter):
+               writer: metrics_lib.MetricsWriter, minutes=None):
     self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
     self.writer = writer
     self.loss_pairs = (eval_pairs[:config.num_eval_examples] if config.num_eval_examples
@@ -326,7 +326,7 @@ class Evaluator:
     self._translator: translation.Translator | None = None
     self.seconds = 0.0                    # of the last evaluation
     self.seconds_per_sentence = 0.0       # of its translation
-    self.minutes = None                   # a callable -> training minutes, for the records
+    self.minutes = minutes                # a callable -> training minutes, for the records
 
   def translator(self, params) -> translation.Translator:
     """The Translator, holding `params` (its decoders compile once)."""
@@ -438,9 +438,9 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
                 if config.get("test_report", True) and data.has_split(config.data, "test")
                 else [])
   budget = _time_budget(config, ckpt, len(test_pairs), started)
-  evaluate = Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer)
-  evaluate.minutes = lambda: budget.spent() / 60
-  monitor = _Monitor(config, model_config, tokenizer, train_pairs, budget)
+  evaluate = Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer,
+                       minutes=lambda: budget.spent() / 60)
+  monitor = run_monitor.RunMonitor(config, model_config, tokenizer, train_pairs, budget)
   state, step, train_summary = _train_steps(
       state, start_step, config=config, workdir=workdir,
       step_fn=_jit_train_step(config, model_config, optimizer, schedule, mesh),
@@ -474,51 +474,11 @@ def _time_budget(config, ckpt: checkpoints.Checkpointer, num_test: int,
   spent = 0.0
   if ckpt.latest_step():
     spent = float(ckpt.restore_metadata().get(time_budget_lib.SPENT_KEY, 0.0))
-  beam = lambda method: method == "beam"
+  cost = time_budget_lib.decode_cost
   return time_budget_lib.TimeBudget(
       config.get("train_minutes", 0.0), spent + (time.monotonic() - started),
       num_test_sentences=num_test,
-      test_cost=(time_budget_lib.BEAM_COST if beam(config.get("test_decode_method", "beam"))
-                 else 1.0) / (time_budget_lib.BEAM_COST if beam(config.eval_decode_method)
-                              else 1.0))
-
-
-class _Monitor:
-  """What the loop watches besides the loss being finite: the time budget,
-  model FLOPs utilisation, a stall (stall.StallCheck) and a warm-up longer
-  than the budget (time_budget.warmup_warning). Warnings go to the log and
-  the console, once each."""
-
-  def __init__(self, config, model_config: TransformerConfig, tokenizer, train_pairs,
-               budget: time_budget_lib.TimeBudget):
-    self.config, self.budget = config, budget
-    self.stopped_by_time = False
-    self.warnings: list[str] = []
-    rows = config.batch_size * config.grad_accum_steps
-    self.flops_per_step = flops.training_flops_per_step(
-        model_config, rows, config.max_length, config.max_length)
-    self.peak_flops, self.peak_source = flops.peak_flops()
-    logger.info("MFU is measured against the %s: %.1f GFLOP/s; a step is %.2f GFLOP.",
-                self.peak_source, self.peak_flops / 1e9, self.flops_per_step / 1e9)
-    every = max(1, len(train_pairs) // 20_000)  # 20k targets are plenty for the entropy
-    targets = [train_pairs[i][1] for i in range(0, len(train_pairs), every)]
-    self.stall = stall.StallCheck(stall.unigram_entropy(
-        tokenizer.encode_batch(targets), tokenizer_lib.EOS_ID), config)
-    self._warned_warmup = False
-
-  def mfu(self, steps_per_second: float) -> float:
-    return self.flops_per_step * steps_per_second / self.peak_flops
-
-  def after_log(self, step: int, summary: dict) -> list[str]:
-    """The warnings this logging window raises (each at most once per run)."""
-    found = [self.stall.check(step, summary["nll"])]
-    if not self._warned_warmup:
-      found.append(time_budget_lib.warmup_warning(
-          self.config.warmup_steps, step, summary["steps_per_second"], self.budget))
-      self._warned_warmup = found[-1] is not None
-    found = [w for w in found if w]
-    self.warnings.extend(found)
-    return found
+      test_cost=cost(config.get("test_decode_method", "beam")) / cost(config.eval_decode_method))
 
 
 def _train_iterator(config, train_pairs, tokenizer):
@@ -558,7 +518,7 @@ def _jit_train_step(config, model_config, optimizer, schedule, mesh):
 
 def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train_iter,
                  ckpt: checkpoints.Checkpointer, evaluate: Evaluator,
-                 writer: metrics_lib.MetricsWriter, monitor: _Monitor,
+                 writer: metrics_lib.MetricsWriter, monitor: run_monitor.RunMonitor,
                  progress) -> tuple[dict, int, dict]:
   """Trains from `step` to `config.num_train_steps`, or until the time budget
   (`monitor.budget`) leaves only what the end of the run needs: metrics every
