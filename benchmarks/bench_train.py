@@ -62,7 +62,7 @@ def compile_train_step(name, dropout, compiler_options=None):
   state = jax.device_put(training.create_train_state(config, optimizer, seed=0), replicated)
   step = jax.jit(lambda s, b: training.train_step(
       s, b, model_config=config, optimizer=optimizer, schedule=schedule,
-      label_smoothing=0.1), in_shardings=(replicated, batch_sharding),
+      label_smoothing=0.1, mesh=mesh), in_shardings=(replicated, batch_sharding),
       out_shardings=(replicated, replicated), donate_argnums=0)
   data = jax.device_put(make_batch(config, batch, src_len, tgt_len), batch_sharding)
   start = time.perf_counter()

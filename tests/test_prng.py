@@ -140,3 +140,40 @@ def test_dropout_of_a_sharded_batch_stays_per_shard():
   assert ours_u32 <= shard, (ours_u32, shard)
   assert jax_temp >= 16 * 2**20, jax_temp       # the premise
   assert out[2] == "True"
+
+
+# prng.dropout inside shard_map over 8 devices, a [64, 8, 16] batch split on
+# its rows: prints whether it equals jax.random.bernoulli's dropout of the
+# whole batch, under prng.rows_sharded_over and without it.
+_SHARD_MAP_DROPOUT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+from transformer import parallel, prng
+mesh = parallel.make_mesh()
+x = jnp.arange(1, 64 * 8 * 16 + 1, dtype=jnp.float32).reshape(64, 8, 16)
+key = jax.random.key(3)
+expected = jnp.where(jax.random.bernoulli(key, 0.75, x.shape), x / 0.75, 0)
+def per_shard(x, key, sharded_counters):
+  if sharded_counters:
+    with prng.rows_sharded_over("data"):
+      return prng.dropout(x, 0.25, key)
+  return prng.dropout(x, 0.25, key)
+for sharded_counters in (True, False):
+  out = jax.jit(jax.shard_map(lambda x, k: per_shard(x, k, sharded_counters), mesh=mesh,
+                              in_specs=(P("data"), P()), out_specs=P("data")))(x, key)
+  print(bool((out == expected).all()))
+"""
+
+
+def test_dropout_inside_shard_map_equals_the_whole_batch_dropout():
+  """The trainer computes gradients in shard_map (one device's rows each):
+  under rows_sharded_over its masks are still those of the whole batch, as
+  under plain jit or on one device; without it every shard would repeat
+  the first shard's mask (the premise, checked too)."""
+  import subprocess
+  import sys
+  from helpers import subprocess_env
+  env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = subprocess.run([sys.executable, "-c", _SHARD_MAP_DROPOUT], env=env, capture_output=True,
+                       text=True, timeout=300, check=True).stdout.split()
+  assert out == ["True", "False"]

@@ -17,10 +17,19 @@ Threefry: the counter of an element is its flat index), so a model with these
 masks trains exactly like one using `flax.linen.Dropout`
 (tests/test_prng.py checks both). Keys of other PRNG implementations, and
 arrays of 2^32 elements or more, take their bits from `jax.random.bits` itself.
+
+Inside `shard_map` each device sees only its rows, so a counter from the
+local flat index would give every shard the same mask. Under
+`rows_sharded_over(axis)` (the trainer's gradient step) the counter is the
+element's index in the *global* array instead: shard i of a batch split on its
+leading axis holds elements [i * size, (i + 1) * size) of it, so the masks are
+again those of `jax.random.bits` on the whole batch (tests/test_prng.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -63,15 +72,42 @@ def _threefry_2x32(k1: jax.Array, k2: jax.Array, x0: jax.Array, x1: jax.Array):
   return x0, x1
 
 
+# The mesh axis the leading (row) axis is split over, inside shard_map; None
+# outside. Read when a function is traced, not when it runs.
+_ROWS_SHARDED_OVER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "rows_sharded_over", default=None)
+
+
+@contextlib.contextmanager
+def rows_sharded_over(axis_name: str):
+  """While tracing a `shard_map` body whose arrays are split on their leading
+  axis over the mesh axis `axis_name` (in device order), random bits are
+  those of the global array: each shard's counters start at its offset."""
+  token = _ROWS_SHARDED_OVER.set(axis_name)
+  try:
+    yield
+  finally:
+    _ROWS_SHARDED_OVER.reset(token)
+
+
 def threefry_random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   """uint32 random bits of `shape`; equal to `jax.random.bits(key, shape,
-  jnp.uint32)` for a Threefry key (to which it falls back for other keys)."""
+  jnp.uint32)` for a Threefry key (to which it falls back for other keys).
+  Under `rows_sharded_over`, `shape` is one shard's and the bits are that
+  shard's slice of the global array's."""
   shape = tuple(shape)
+  size = math.prod(shape)
+  axis = _ROWS_SHARDED_OVER.get()
+  shards = 1 if axis is None else lax.axis_size(axis)
   words = _threefry_key_words(key)
-  if words is None or math.prod(shape) >= 2 ** 32:
+  if words is None or size * shards >= 2 ** 32:
+    if axis is not None:  # still independent bits per shard (not the global array's)
+      key = jax.random.fold_in(key, lax.axis_index(axis))
     return jax.random.bits(key, shape, jnp.uint32)
   # Element i hashes the 64-bit counter i: high word 0, low word i.
-  counter = lax.iota(jnp.uint32, math.prod(shape)).reshape(shape)
+  counter = lax.iota(jnp.uint32, size).reshape(shape)
+  if axis is not None:  # this shard's first element's index in the global array
+    counter = counter + lax.axis_index(axis).astype(jnp.uint32) * np.uint32(size)
   x0, x1 = _threefry_2x32(*words, jnp.zeros(shape, jnp.uint32), counter)
   return x0 ^ x1
 

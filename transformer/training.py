@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import averaging, checkpoints, data, parallel, report, run_monitor
+from transformer import averaging, checkpoints, data, parallel, prng, report, run_monitor
 from transformer import time_budget as time_budget_lib
 from transformer import tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
@@ -143,32 +144,30 @@ def _forward_sums(params, batch, model_config, label_smoothing, dropout_rng):
 
 
 def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
-               optimizer, schedule, label_smoothing: float) -> tuple[dict, dict]:
+               optimizer, schedule, label_smoothing: float, mesh=None) -> tuple[dict, dict]:
   """One update from `batch` (arrays `[accumulation, rows, length]`).
 
   Gradients of the micro-batches are summed (a `lax.scan`) and divided by the
   number of target tokens of the whole batch, so accumulating k micro-batches
   is the same update as one batch k times larger.
+
+  With a `mesh`, the rows are split over its "data" axis and the gradients
+  are computed per device (`shard_map`): each device sums its rows' gradients
+  over the micro-batches and the devices add theirs up once per update, one
+  float32 all-reduce. (Under plain `jit` XLA reduces them inside the
+  accumulation loop, once per micro-batch: tests/test_benchmarks.py counts them.)
+  Dropout masks are the same either way: those of the whole batch.
   """
-  total_weight = jnp.maximum(jnp.sum(batch["targets_segment_ids"] > 0), 1).astype(jnp.float32)
   step_rng = jax.random.fold_in(state["rng"], state["step"])
-
-  def micro_step(grads, micro):
-    index, micro_batch = micro
-    def loss_fn(params):
-      sums = _forward_sums(params, micro_batch, model_config, label_smoothing,
-                           jax.random.fold_in(step_rng, index))
-      return sums["loss"] / total_weight, sums
-    micro_grads, sums = jax.grad(loss_fn, has_aux=True)(state["params"])
-    return jax.tree_util.tree_map(jnp.add, grads, micro_grads), sums
-
-  num_micro = batch["targets"].shape[0]
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, state["params"])
-  if num_micro == 1:
-    grads, sums = micro_step(zeros, (0, jax.tree_util.tree_map(lambda x: x[0], batch)))
+  gradients = functools.partial(_gradient_sums, model_config=model_config,
+                                label_smoothing=label_smoothing)
+  if mesh is None:
+    grads, sums = gradients(state["params"], batch, step_rng)
   else:
-    grads, sums = jax.lax.scan(micro_step, zeros, (jnp.arange(num_micro), batch))
-    sums = jax.tree_util.tree_map(jnp.sum, sums)
+    grads, sums = jax.shard_map(
+        functools.partial(gradients, axis_name=parallel.DATA_AXIS), mesh=mesh,
+        in_specs=(P(), P(None, parallel.DATA_AXIS), P()), out_specs=(P(), P()),
+    )(state["params"], batch, step_rng)
 
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
@@ -176,6 +175,42 @@ def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
                  learning_rate=schedule(state["step"]))
   new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
   return new_state, metrics
+
+
+def _gradient_sums(params, batch: dict, step_rng, *, model_config: TransformerConfig,
+                   label_smoothing: float, axis_name: str | None = None):
+  """(gradients of the loss per target token, loss sums) of `batch`
+  `[accumulation, rows, length]`, one micro-batch at a time. With `axis_name`
+  this runs in `shard_map` on one device's rows, and the result is reduced
+  over the axis once, at the end."""
+  weight = jnp.sum(batch["targets_segment_ids"] > 0)
+  if axis_name is not None:
+    weight = jax.lax.psum(weight, axis_name)
+    # Differentiate this device's copy: the gradient stays local (for a
+    # replicated input, JAX's transpose would all-reduce it at every micro-batch).
+    params = jax.lax.pcast(params, axis_name, to="varying")
+  total_weight = jnp.maximum(weight, 1).astype(jnp.float32)
+
+  def micro_step(grads, micro):
+    index, micro_batch = micro
+    def loss_fn(params):
+      sums = _forward_sums(params, micro_batch, model_config, label_smoothing,
+                           jax.random.fold_in(step_rng, index))
+      return sums["loss"] / total_weight, sums
+    micro_grads, sums = jax.grad(loss_fn, has_aux=True)(params)
+    return jax.tree_util.tree_map(jnp.add, grads, micro_grads), sums
+
+  num_micro = batch["targets"].shape[0]
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  with (prng.rows_sharded_over(axis_name) if axis_name else contextlib.nullcontext()):
+    if num_micro == 1:
+      grads, sums = micro_step(zeros, (0, jax.tree_util.tree_map(lambda x: x[0], batch)))
+    else:
+      grads, sums = jax.lax.scan(micro_step, zeros, (jnp.arange(num_micro), batch))
+      sums = jax.tree_util.tree_map(jnp.sum, sums)
+  if axis_name is not None:
+    grads, sums = jax.lax.psum((grads, sums), axis_name)
+  return grads, sums
 
 
 def eval_step(params, batch, *, model_config: TransformerConfig,
@@ -510,7 +545,8 @@ def _jit_train_step(config, model_config, optimizer, schedule, mesh):
   batch_sharding = NamedSharding(mesh, P(None, "data"))
   step_fn = jax.jit(
       lambda s, b: train_step(s, b, model_config=model_config, optimizer=optimizer,
-                              schedule=schedule, label_smoothing=config.label_smoothing),
+                              schedule=schedule, label_smoothing=config.label_smoothing,
+                              mesh=mesh),
       in_shardings=(replicated, batch_sharding), out_shardings=(replicated, replicated),
       donate_argnums=0)
   return lambda state, batch: step_fn(state, _shard(batch, batch_sharding))
