@@ -35,6 +35,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.max_length = 32
   config.pack = True
   config.grad_accum_steps = 1
+  # How the parameters and Adam state sit on the devices: "replicated" (each
+  # device a copy) or "fsdp" (split over the devices: ~1/n each, for models that
+  # do not fit replicated; parameters gathered and gradients reduce-scattered
+  # once per update).
+  config.state_sharding = "replicated"
 
   # The model (transformer.model.TransformerConfig fields; vocab_size and the
   # special ids come from the vocabulary).

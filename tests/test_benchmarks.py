@@ -124,60 +124,65 @@ def test_collectives_finds_each_with_its_loop_and_bytes():
   assert [c["bytes"] for c in common.collectives(_HLO, "all-gather")] == [4 * 16 * 8]
 
 
-# Gradient accumulation on 8 devices (bfloat16 compute, float32 parameters):
-# prints, for 1 and 4 micro-batches, the float32 all-reduce bytes inside and
-# outside loops, and the parameters' float32 bytes.
-_ACCUMULATION = """
-import sys
+# The train step on 8 devices (bfloat16 compute, float32 parameters), for 1 and
+# 4 micro-batches: per collective (all-reduce, reduce-scatter, all-gather), its
+# float32 bytes inside loops and outside; the parameters' float32 bytes; the
+# train state's bytes on one device. argv[1]: "replicated" or "fsdp" (the
+# trainer's step: training.jit_train_step), or "jit" (train_step under plain
+# jit, replicated: what the trainer did before shard_map).
+_STEP_COLLECTIVES = """
+import json, sys
 import jax, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, "tests")
 import train_worker
 from benchmarks import common
 from transformer import parallel, training
-per_update = sys.argv[1] == "shard_map"   # the trainer's step; else plain jit
+mode = sys.argv[1]
+result = {}
 for accum in (1, 4):
-  config = train_worker.tiny_config({"grad_accum_steps": accum, "model.dtype": "bfloat16"})
+  config = train_worker.tiny_config({"grad_accum_steps": accum, "model.dtype": "bfloat16",
+                                     "state_sharding": "fsdp" if mode == "fsdp" else "replicated"})
   model_config = training.model_config_from(config, 128)
   optimizer, schedule = training.make_optimizer(config, model_config.d_model)
   mesh = parallel.make_mesh()
-  replicated, rows = parallel.replicated(mesh), NamedSharding(mesh, P(None, "data"))
-  state = jax.jit(lambda: training.create_train_state(model_config, optimizer, 0),
-                  out_shardings=replicated)()
+  state, shardings = training.init_train_state(config, model_config, optimizer, mesh)
+  step, rows = training.jit_train_step(config, model_config, optimizer, schedule, mesh, shardings)
+  if mode == "jit":
+    step = jax.jit(lambda s, b: training.train_step(
+        s, b, model_config=model_config, optimizer=optimizer, schedule=schedule,
+        label_smoothing=0.1), in_shardings=(shardings, rows), out_shardings=(shardings, None))
   batch = {k: jax.device_put(np.ones((accum, 16, 32), np.int32), rows) for k in (
       "inputs", "targets", "inputs_segment_ids", "targets_segment_ids", "inputs_positions",
       "targets_positions")}
-  step = jax.jit(lambda s, b: training.train_step(
-      s, b, model_config=model_config, optimizer=optimizer, schedule=schedule,
-      label_smoothing=0.1, mesh=mesh if per_update else None),
-      in_shardings=(replicated, rows), out_shardings=(replicated,) * 2)
-  found = [c for c in common.collectives(step.lower(state, batch).compile().as_text())
-           if c["dtypes"] == ["f32"]]
-  params = sum(4 * x.size for x in jax.tree_util.tree_leaves(state["params"]))
-  print(accum, sum(c["bytes"] for c in found if c["in_loop"]),
-        sum(c["bytes"] for c in found if not c["in_loop"]), params)
+  hlo = step.lower(state, batch).compile().as_text()
+  row = {}
+  for op in ("all-reduce", "reduce-scatter", "all-gather"):
+    found = [c for c in common.collectives(hlo, op) if c["dtypes"] == ["f32"]]
+    row[op] = [sum(c["bytes"] for c in found if c["in_loop"]),
+               sum(c["bytes"] for c in found if not c["in_loop"])]
+  row["params"] = sum(4 * x.size for x in jax.tree_util.tree_leaves(state["params"]))
+  row["state_bytes_per_device"] = parallel.bytes_per_device(state)
+  result[accum] = row
+print(json.dumps(result))
 """
 
 
-def _all_reduce_bytes(step: str) -> dict[int, tuple[int, int, int]]:
-  """{micro-batches: (f32 all-reduce bytes inside loops, outside, parameter
-  bytes)} of the compiled train step on 8 devices: "shard_map" (the trainer's)
-  or "jit" (train_step under plain jit)."""
+def _step_collectives(mode: str) -> dict[int, dict]:
+  import json
   import subprocess
-  import sys
   from helpers import REPO, subprocess_env
   env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  out = subprocess.run([sys.executable, "-c", _ACCUMULATION, step], env=env, cwd=REPO,
+  out = subprocess.run([sys.executable, "-c", _STEP_COLLECTIVES, mode], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=300, check=True).stdout
-  return {int(a): (int(inside), int(outside), int(params))
-          for a, inside, outside, params in (line.split() for line in out.split("\n") if line)}
+  return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
 
 
 def test_gradient_accumulation_reduces_the_gradients_once_per_update():
-  rows = _all_reduce_bytes("shard_map")
-  inside_1, outside_1, params = rows[1]
+  rows = _step_collectives("replicated")
+  params = rows[1]["params"]
+  inside_1, outside_1 = rows[1]["all-reduce"]
   assert inside_1 == 0 and params <= outside_1 < params + 64, rows  # the gradients, once
-  inside_4, outside_4, _ = rows[4]
+  inside_4, outside_4 = rows[4]["all-reduce"]
   assert inside_4 == 0, rows                     # none per micro-batch
   assert outside_4 == outside_1, rows            # the same bytes as without accumulation
 
@@ -185,5 +190,21 @@ def test_gradient_accumulation_reduces_the_gradients_once_per_update():
 def test_plain_jit_would_reduce_the_gradients_at_every_micro_batch():
   # The premise of the shard_map above (measured on main before it: 134,672
   # float32 bytes all-reduced inside the accumulation loop).
-  inside_4, _, params = _all_reduce_bytes("jit")[4]
-  assert inside_4 >= params
+  row = _step_collectives("jit")[4]
+  assert row["all-reduce"][0] >= row["params"], row
+
+
+def test_fsdp_splits_the_state_and_gathers_and_scatters_once_per_update():
+  """state_sharding="fsdp" on 8 devices: one device holds ~1/8 of the train
+  state; the parameters are all-gathered and the gradients reduce-scattered
+  outside the accumulation loop (once per update), each the parameters' bytes."""
+  fsdp, replicated = _step_collectives("fsdp"), _step_collectives("replicated")
+  for accum in (1, 4):
+    row = fsdp[accum]
+    assert row["state_bytes_per_device"] <= replicated[accum]["state_bytes_per_device"] / 8 + 64
+    params = row["params"]
+    assert row["all-gather"][0] == 0 and row["reduce-scatter"][0] == 0, row
+    # gathered: the whole parameters (a few small ones may stay replicated)
+    assert 0.95 * params <= row["all-gather"][1] <= params, row
+    assert row["reduce-scatter"][1] >= 0.95 * params / 8, row   # results: 1/8 each
+    assert row["all-reduce"][0] == 0, row

@@ -168,3 +168,24 @@ def test_initialize_names_missing_settings(monkeypatch):
   monkeypatch.setenv(parallel.ENV_NUM_PROCESSES, "two")
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
     parallel.maybe_initialize_distributed()
+
+
+def test_fsdp_spec_splits_the_largest_divisible_axis():
+  from jax.sharding import PartitionSpec as P
+  from transformer import parallel
+  assert parallel.fsdp_spec((512, 2048), 8) == P(None, "data")
+  assert parallel.fsdp_spec((2048, 512), 8) == P("data", None)
+  assert parallel.fsdp_spec((512, 8, 64), 8) == P("data", None, None)
+  assert parallel.fsdp_spec((64, 64), 8) == P("data", None)            # the first on a tie
+  assert parallel.fsdp_spec((6, 12), 8) == P()                         # none divisible
+  assert parallel.fsdp_spec((4,), 8) == P()                            # smaller than the devices
+  assert parallel.fsdp_spec((), 8) == P()
+  assert parallel.fsdp_spec((512, 2048), 1) == P()
+
+
+def test_state_shardings_names_the_option_when_unknown():
+  import jax
+  from transformer import parallel
+  mesh = parallel.make_mesh(jax.devices()[:1])
+  with pytest.raises(ValueError, match="state_sharding='zero'"):
+    parallel.state_shardings({"w": np.zeros(4)}, mesh, "zero")

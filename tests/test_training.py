@@ -440,6 +440,37 @@ def test_eight_devices_match_one_device(tmp_path, reference_run, compilation_cac
     np.testing.assert_allclose(eight[5][key], one[5][key], rtol=1e-5, err_msg=key)
 
 
+def test_fsdp_on_eight_devices_matches_one_device_and_resumes_on_two(
+    tmp_path, reference_run, compilation_cache):
+  """state_sharding="fsdp": the 8-device run's step-8 checkpoint (written
+  sharded) equals the 1-device reference's, and so do its losses; resumed on 2
+  devices (replicated), steps 9-16 land on the reference's step 16."""
+  ref_dir, _ = reference_run
+  workdir = tmp_path / "fsdp"
+
+  def run(devices, steps, sharding):
+    out = tmp_path / f"{devices}.json"
+    overrides = dict(REF, num_train_steps=steps, state_sharding=sharding)
+    run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
+                 f"--overrides={json.dumps(overrides)}", f"--num_cpu_devices={devices}",
+                 f"--out={out}"], subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS), TIMEOUT_S)
+    return json.loads(out.read_text())
+
+  result = run(8, 8, "fsdp")
+  assert result["device_count"] == 8 and result["step"] == 8
+  assert_params_close(load_params(workdir), load_params(ref_dir, 8), atol=1e-5)
+  fsdp = {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
+  one = {r["step"]: r for r in read_metrics(ref_dir) if r["split"] == "train"}
+  for key in ("loss", "nll", "accuracy"):
+    np.testing.assert_allclose(fsdp[5][key], one[5][key], rtol=1e-5, err_msg=key)
+
+  result = run(2, 16, "replicated")
+  assert result["device_count"] == 2 and result["step"] == 16
+  train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
+  assert train_steps == [5, 8, 10, 15, 16], train_steps  # resumed at 8, not from 0
+  assert_params_close(load_params(workdir), load_params(ref_dir, 16), atol=1e-5)
+
+
 def replay_two_shards(workdir, overrides, num_steps):
   """Single-process replay of a two-process run: process i reads shard i of the
   data (batch_size / 2 rows per micro-batch); the global micro-batch is the

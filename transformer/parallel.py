@@ -3,8 +3,14 @@
 Data parallelism here is `jax.jit` over a one-axis `jax.sharding.Mesh` named
 ``"data"`` that spans every device of every process: the batch is sharded on
 its leading axis (`data_sharding`), the train state is replicated
-(`replicated`), and XLA inserts the gradient all-reduce. This is what `pmap`
-used to do; `pmap` is not used anywhere.
+(`replicated`), and the gradients are all-reduced once per update. This is
+what `pmap` used to do; `pmap` is not used anywhere.
+
+For models whose parameters and Adam state do not fit on every device, the
+state can instead be sharded over the same axis (`state_shardings(...,
+"fsdp")`: FSDP / ZeRO-3): each device keeps 1/n of every large array, the
+trainer gathers the parameters for the forward and backward passes and
+reduce-scatters the gradients, each once per update.
 
 Typical use (the trainer)::
 
@@ -232,6 +238,51 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def data_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis split over the "data" axis, other axes whole."""
   return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+STATE_SHARDINGS = ("replicated", "fsdp")
+
+
+def fsdp_spec(shape: Sequence[int], num_shards: int) -> PartitionSpec:
+  """FSDP layout of one array of `shape` over `num_shards` devices: its largest
+  axis that `num_shards` divides is split over "data" (the first such axis on
+  a tie); arrays with no such axis (scalars, small or odd sizes: a small
+  fraction of the bytes) stay whole on every device."""
+  axes = [axis for axis, size in enumerate(shape) if size >= num_shards and size % num_shards == 0]
+  if num_shards == 1 or not axes:
+    return PartitionSpec()
+  axis = max(axes, key=lambda a: (shape[a], -a))
+  return PartitionSpec(*[DATA_AXIS if a == axis else None for a in range(len(shape))])
+
+
+def state_shardings(tree: Any, mesh: Mesh, mode: str = "replicated") -> Any:
+  """A NamedSharding for each leaf of `tree` (arrays or `jax.eval_shape`
+  output): every leaf `replicated`, or with mode "fsdp" split by `fsdp_spec`.
+
+  Raises:
+    ValueError: naming `state_sharding` if `mode` is not one of STATE_SHARDINGS.
+  """
+  if mode not in STATE_SHARDINGS:
+    raise ValueError(f"state_sharding={mode!r} must be one of {STATE_SHARDINGS}.")
+  num_shards = mesh.shape[DATA_AXIS]
+
+  def leaf(x):
+    if mode == "replicated" or not getattr(x, "shape", ()):
+      return replicated(mesh)
+    return NamedSharding(mesh, fsdp_spec(x.shape, num_shards))
+
+  return jax.tree.map(leaf, tree)
+
+
+def bytes_per_device(tree: Any) -> int:
+  """Bytes of `tree`'s arrays held by one device (the first of this process),
+  read from the arrays' addressable shards."""
+  device = jax.local_devices()[0]
+  total = 0
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+  return total
 
 
 def _key_name(path) -> str:

@@ -127,6 +127,17 @@ def create_train_state(model_config: TransformerConfig, optimizer, seed: int) ->
           "opt_state": optimizer.init(params), "rng": dropout_rng}
 
 
+def init_train_state(config: ml_collections.ConfigDict, model_config: TransformerConfig,
+                     optimizer, mesh) -> tuple[dict, dict]:
+  """(the initial train state on the mesh, its shardings): replicated, or with
+  `config.state_sharding="fsdp"` every large array split over the devices
+  (`parallel.state_shardings`); created in place, never whole on one device."""
+  create = lambda: create_train_state(model_config, optimizer, config.seed)
+  shardings = parallel.state_shardings(
+      jax.eval_shape(create), mesh, config.get("state_sharding", "replicated"))
+  return jax.jit(create, out_shardings=shardings)(), shardings
+
+
 def _forward_sums(params, batch, model_config, label_smoothing, dropout_rng):
   """Loss sums of one (micro)batch; dropout on when `dropout_rng` is given."""
   decoder_inputs = shift_right(batch["targets"], model_config.bos_id,
@@ -144,7 +155,8 @@ def _forward_sums(params, batch, model_config, label_smoothing, dropout_rng):
 
 
 def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
-               optimizer, schedule, label_smoothing: float, mesh=None) -> tuple[dict, dict]:
+               optimizer, schedule, label_smoothing: float, mesh=None,
+               param_specs=None) -> tuple[dict, dict]:
   """One update from `batch` (arrays `[accumulation, rows, length]`).
 
   Gradients of the micro-batches are summed (a `lax.scan`) and divided by the
@@ -157,6 +169,11 @@ def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
   float32 all-reduce. (Under plain `jit` XLA reduces them inside the
   accumulation loop, once per micro-batch: tests/test_benchmarks.py counts them.)
   Dropout masks are the same either way: those of the whole batch.
+
+  `param_specs` (PartitionSpecs like the params; default: replicated) is the
+  parameters' layout on the mesh: with FSDP (`parallel.state_shardings`) each
+  device gathers the whole parameters once per update and the gradients are
+  reduce-scattered back to the same layout, once per update too.
   """
   step_rng = jax.random.fold_in(state["rng"], state["step"])
   gradients = functools.partial(_gradient_sums, model_config=model_config,
@@ -164,9 +181,12 @@ def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
   if mesh is None:
     grads, sums = gradients(state["params"], batch, step_rng)
   else:
+    if param_specs is None:
+      param_specs = jax.tree.map(lambda _: P(), state["params"])
     grads, sums = jax.shard_map(
-        functools.partial(gradients, axis_name=parallel.DATA_AXIS), mesh=mesh,
-        in_specs=(P(), P(None, parallel.DATA_AXIS), P()), out_specs=(P(), P()),
+        functools.partial(gradients, axis_name=parallel.DATA_AXIS, param_specs=param_specs),
+        mesh=mesh, in_specs=(param_specs, P(None, parallel.DATA_AXIS), P()),
+        out_specs=(param_specs, P()),
     )(state["params"], batch, step_rng)
 
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -178,17 +198,20 @@ def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
 
 
 def _gradient_sums(params, batch: dict, step_rng, *, model_config: TransformerConfig,
-                   label_smoothing: float, axis_name: str | None = None):
+                   label_smoothing: float, axis_name: str | None = None,
+                   param_specs=None):
   """(gradients of the loss per target token, loss sums) of `batch`
   `[accumulation, rows, length]`, one micro-batch at a time. With `axis_name`
-  this runs in `shard_map` on one device's rows, and the result is reduced
-  over the axis once, at the end."""
+  this runs in `shard_map` on one device's rows and its slice of the params
+  (`param_specs`), and the result is reduced over the axis once, at the end."""
   weight = jnp.sum(batch["targets_segment_ids"] > 0)
   if axis_name is not None:
     weight = jax.lax.psum(weight, axis_name)
-    # Differentiate this device's copy: the gradient stays local (for a
-    # replicated input, JAX's transpose would all-reduce it at every micro-batch).
-    params = jax.lax.pcast(params, axis_name, to="varying")
+    # Differentiate this device's copy of the whole parameters, so that the
+    # gradient stays local until the end (differentiating the replicated /
+    # sharded input itself would all-reduce / reduce-scatter it at every
+    # micro-batch: the transposes of JAX's implicit broadcast and of all_gather).
+    params = jax.tree.map(functools.partial(_whole, axis_name=axis_name), params, param_specs)
   total_weight = jnp.maximum(weight, 1).astype(jnp.float32)
 
   def micro_step(grads, micro):
@@ -209,8 +232,29 @@ def _gradient_sums(params, batch: dict, step_rng, *, model_config: TransformerCo
       grads, sums = jax.lax.scan(micro_step, zeros, (jnp.arange(num_micro), batch))
       sums = jax.tree_util.tree_map(jnp.sum, sums)
   if axis_name is not None:
-    grads, sums = jax.lax.psum((grads, sums), axis_name)
+    grads = jax.tree.map(functools.partial(_reduce, axis_name=axis_name), grads, param_specs)
+    sums = jax.lax.psum(sums, axis_name)
   return grads, sums
+
+
+def _sharded_axis(spec: P, axis_name: str) -> int | None:
+  return next((i for i, name in enumerate(spec) if name == axis_name), None)
+
+
+def _whole(param, spec: P, *, axis_name: str):
+  """This device's copy of a whole parameter, from its slice (`spec`)."""
+  axis = _sharded_axis(spec, axis_name)
+  if axis is None:
+    return jax.lax.pcast(param, axis_name, to="varying")
+  return jax.lax.all_gather(param, axis_name, axis=axis, tiled=True)
+
+
+def _reduce(grad, spec: P, *, axis_name: str):
+  """The sum over devices of a local gradient, laid out as `spec`."""
+  axis = _sharded_axis(spec, axis_name)
+  if axis is None:
+    return jax.lax.psum(grad, axis_name)
+  return jax.lax.psum_scatter(grad, axis_name, scatter_dimension=axis, tiled=True)
 
 
 def eval_step(params, batch, *, model_config: TransformerConfig,
@@ -308,6 +352,9 @@ def _check_config(config) -> None:
                "log_every", "eval_every", "checkpoint_every"):
     if int(config[name]) < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if config.get("state_sharding", "replicated") not in parallel.STATE_SHARDINGS:
+    raise ValueError(f"config.state_sharding={config.state_sharding!r} must be one of "
+                     f"{parallel.STATE_SHARDINGS}.")
   if float(config.get("train_minutes", 0)) < 0:
     raise ValueError(f"config.train_minutes={config.train_minutes} must be >= 0 "
                      "(0: no time budget).")
@@ -357,7 +404,8 @@ class Evaluator:
     self._eval_fn = jax.jit(
         lambda p, b: eval_step(p, b, model_config=model_config,
                                label_smoothing=config.label_smoothing),
-        in_shardings=(replicated, self._sharding), out_shardings=replicated)
+        # (params as they are: replicated, or split with state_sharding="fsdp")
+        in_shardings=(None, self._sharding), out_shardings=replicated)
     self._translator: translation.Translator | None = None
     self.seconds = 0.0                    # of the last evaluation
     self.seconds_per_sentence = 0.0       # of its translation
@@ -459,8 +507,7 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
 
   mesh = parallel.make_mesh()
   optimizer, schedule = make_optimizer(config, model_config.d_model)
-  state = jax.jit(lambda: create_train_state(model_config, optimizer, config.seed),
-                  out_shardings=parallel.replicated(mesh))()
+  state, state_shardings = init_train_state(config, model_config, optimizer, mesh)
   train_iter = _train_iterator(config, train_pairs, tokenizer)
   stack.callback(train_iter.close)
   ckpt = stack.enter_context(checkpoints.Checkpointer(
@@ -478,7 +525,7 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   monitor = run_monitor.RunMonitor(config, model_config, tokenizer, train_pairs, budget)
   state, step, train_summary = _train_steps(
       state, start_step, config=config, workdir=workdir,
-      step_fn=_jit_train_step(config, model_config, optimizer, schedule, mesh),
+      step_fn=_jit_train_step(config, model_config, optimizer, schedule, mesh, state_shardings),
       train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer, monitor=monitor,
       progress=metrics_lib.progress_bar(start_step, config.num_train_steps,
                                         enabled=is_main and not quiet))
@@ -537,18 +584,25 @@ def _resume(ckpt: checkpoints.Checkpointer, state: dict, train_iter, workdir: st
   return state, start_step
 
 
-def _jit_train_step(config, model_config, optimizer, schedule, mesh):
-  """(state, this process's batch of numpy arrays `[accumulation, rows,
-  length]`) -> (state, metrics): `train_step` jitted over the mesh, the batch
-  sharded on rows, the state replicated and donated."""
-  replicated = parallel.replicated(mesh)
+def jit_train_step(config, model_config, optimizer, schedule, mesh, state_shardings):
+  """(the jitted step: (state, global batch `[accumulation, rows, length]`) ->
+  (state, metrics), the batch's sharding): `train_step` over the mesh, the
+  batch sharded on rows, the state laid out as `state_shardings` and donated."""
   batch_sharding = NamedSharding(mesh, P(None, "data"))
+  param_specs = jax.tree.map(lambda s: s.spec, state_shardings["params"])
   step_fn = jax.jit(
       lambda s, b: train_step(s, b, model_config=model_config, optimizer=optimizer,
                               schedule=schedule, label_smoothing=config.label_smoothing,
-                              mesh=mesh),
-      in_shardings=(replicated, batch_sharding), out_shardings=(replicated, replicated),
-      donate_argnums=0)
+                              mesh=mesh, param_specs=param_specs),
+      in_shardings=(state_shardings, batch_sharding),
+      out_shardings=(state_shardings, parallel.replicated(mesh)), donate_argnums=0)
+  return step_fn, batch_sharding
+
+
+def _jit_train_step(config, model_config, optimizer, schedule, mesh, state_shardings):
+  """`jit_train_step` taking this process's batch of numpy arrays."""
+  step_fn, batch_sharding = jit_train_step(config, model_config, optimizer, schedule, mesh,
+                                           state_shardings)
   return lambda state, batch: step_fn(state, _shard(batch, batch_sharding))
 
 

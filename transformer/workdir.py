@@ -80,7 +80,7 @@ RESUMABLE_FIELDS = (
     "log_every", "eval_every", "eval_batch_size", "num_eval_examples",
     "num_bleu_examples", "eval_decode_method", "eval_beam_size",
     "checkpoint_every", "keep_checkpoints", "average_last",
-    "data.tfds_data_dir",
+    "data.tfds_data_dir", "state_sharding",
 )
 
 logger = logging.getLogger(__name__)
