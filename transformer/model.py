@@ -6,6 +6,7 @@ Read top to bottom, this file is the paper's Section 3:
   sinusoidal_positional_encoding  Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model))
   attention_mask, shift_right     Section 3.2.3 / 3.1: masking, outputs offset by one
   scaled_dot_product_attention    Section 3.2.1, Equation (1): softmax(Q K^T / sqrt(d_k)) V
+                                  (which code runs it: attention_choice.py)
   MultiHeadAttention              Section 3.2.2: Concat(head_1, ..., head_h) W^O
   FeedForward                     Section 3.3, Equation (2): max(0, x W_1 + b_1) W_2 + b_2
   ResidualNorm                    Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x)))
@@ -39,6 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer import kv_cache, prng
+from transformer.attention_choice import (  # noqa: F401  (public here too)
+    attention_backend, attention_implementation_name, choose_attention_implementation,
+    cudnn_problem)
 from transformer.layers import (Dense, Dropout, LayerNorm, run_layers, stack_layers,
                                 tied_output_projection)
 
@@ -68,7 +72,8 @@ class TransformerConfig:
   param_dtype: str = "float32"     # storage dtype of the parameters
   scan_layers: bool = False        # stack layers with nn.scan (flat compile time)
   remat: bool = False              # recompute layer activations in the backward pass
-  attention_implementation: str | None = None  # jax.nn.dot_product_attention: None, "xla", "cudnn"
+  attention_implementation: str | None = None  # None (by machine), "xla", "cudnn": see
+                                               # choose_attention_implementation
   pad_id: int = 0
   eos_id: int = 1
   bos_id: int = 2
@@ -155,16 +160,27 @@ def scaled_dot_product_attention(
     mask: bool, broadcastable to `[batch, heads, q_length, kv_length]`; False hides a key.
     dropout_rate, dropout_rng: dropout on the attention weights (training only).
     return_weights: also return the weights (e.g. to plot them).
-    implementation: "xla" or "cudnn" forces `jax.nn.dot_product_attention`
-      with it; None: jax.nn's own choice on GPU, the einsums below elsewhere.
+    implementation: None, "xla" or "cudnn", resolved for this machine by
+      `choose_attention_implementation`.
   Returns:
     `([batch, q_length, heads, d_v], weights [batch, heads, q_length, kv_length] or None)`.
+    A query whose every key is hidden (padding) gets uniform weights in the
+    einsums and in XLA, and in cuDNN with bfloat16 (its mask bias, -2^41,
+    swamps the scores); with float16 (bias -2^15) cuDNN gives it softmax of its
+    scores. No NaN in any path, and no loss or real position depends on such a row.
   """
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
-  fused = implementation is not None or jax.default_backend() == "gpu"
-  if fused and not (return_weights or use_dropout):
-    out = jax.nn.dot_product_attention(query, key, value, mask=mask,
-                                       implementation=implementation)
+  q_len, kv_len = query.shape[1], key.shape[1]
+  chosen = choose_attention_implementation(
+      implementation, backend=attention_backend(), dtype=query.dtype,
+      head_dim=query.shape[-1], dropout=use_dropout, return_weights=return_weights,
+      odd_masked_length=mask is not None and bool(q_len % 2 or kv_len % 2))
+  if chosen != "einsum":
+    if chosen == "cudnn" and mask is not None:
+      # cuDNN takes the mask as a bias of the full [q_length, kv_length]; it
+      # refuses one broadcast over queries, e.g. [batch, 1, 1, kv_length].
+      mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q_len, kv_len))
+    out = jax.nn.dot_product_attention(query, key, value, mask=mask, implementation=chosen)
     return out, None
   # Heads first, [batch, heads, length, d_k], so that both products are
   # batched matmuls over leading (batch, head) dimensions. (jax.nn's XLA path
@@ -175,7 +191,7 @@ def scaled_dot_product_attention(
                       preferred_element_type=jnp.float32)
   if mask is not None:
     # A large negative number rather than -inf: a row with every key hidden
-    # (a padding query) gets uniform weights instead of NaN, like the fused path.
+    # (a padding query) gets uniform weights instead of NaN, like XLA's path.
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1)
   if use_dropout:
@@ -607,3 +623,9 @@ def _check_config(config: TransformerConfig) -> None:
   for field in ("pad_id", "eos_id", "bos_id"):
     check(field, lambda v: 0 <= v < config.vocab_size,
           f"must be a token id in [0, vocab_size={config.vocab_size})")
+  # Forcing cuDNN where it cannot run fails here, not deep inside a jit trace.
+  cudnn = cudnn_problem(config.dtype, config.head_dim, config.attention_dropout_rate,
+                         max_head_dim=256) if config.attention_implementation == "cudnn" else None
+  check("attention_implementation", lambda v: cudnn is None,
+        f"{cudnn}; change that, or set attention_implementation=None (cuDNN where "
+        "it applies, else XLA) or 'xla'")

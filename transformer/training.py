@@ -37,7 +37,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import averaging, checkpoints, data, parallel, prng, report, run_monitor
+from transformer import attention_choice, averaging, checkpoints, data, parallel, prng
+from transformer import report, run_monitor
 from transformer import time_budget as time_budget_lib
 from transformer import tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
@@ -502,6 +503,7 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
     eval_pairs = data.load_split(config.data, "eval")
   tokenizer = get_tokenizer(config, workdir, train_pairs)
   model_config = model_config_from(config, tokenizer.vocab_size)
+  logger.info("%s", attention_choice.attention_implementation_name(model_config))
   if is_main:
     workdir_lib.save_configs(workdir, config.to_dict(), model_config)
 
