@@ -36,11 +36,13 @@ from transformer.translation import Translator
 NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
 
 
-def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=None):
-  """The benchmark's decoder for `shape`, compiled (with XLA `compiler_options`
+def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=None,
+                    **overrides):
+  """The benchmark's decoder for `shape` (TransformerConfig fields replaced by
+  `overrides`, e.g. dtype="bfloat16"), compiled (with XLA `compiler_options`
   if given): -> (compiled, args, seconds to compile). `compiled(*args)`
   decodes the fixed batch."""
-  config, *_ = common.SHAPES[shape]()
+  config, *_ = common.SHAPES[shape](**overrides)
   config = config.replace(max_len=128)
   params = model_lib.init_params(config, jax.random.key(0))
   translator = Translator(config, params, tokenizer=None)

@@ -49,12 +49,13 @@ def make_batch(config, batch, src_len, tgt_len):
   return {k: v[None] for k, v in b.items()}  # [accumulation=1, rows, length]
 
 
-def compile_train_step(name, dropout, compiler_options=None):
-  """train.py's step for shape `name`, compiled (with XLA `compiler_options` if
+def compile_train_step(name, dropout, compiler_options=None, **overrides):
+  """train.py's step for shape `name` (TransformerConfig fields replaced by
+  `overrides`, e.g. dtype="bfloat16"), compiled (with XLA `compiler_options` if
   given) as train.py compiles it: data-parallel over every device (the batch
   sharded, the state replicated): -> (compiled, initial state, batch, seconds
   to compile). `compiled(state, batch)` -> (state, metrics); the state is donated."""
-  config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
+  config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout, **overrides)
   optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
   mesh = parallel.make_mesh()
   replicated = parallel.replicated(mesh)

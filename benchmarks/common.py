@@ -9,6 +9,9 @@ Shapes (float32 everywhere):
      vocabulary 32000, batch 16, source and target length 64.
 
   config, batch, src_len, tgt_len = SHAPES["S"](dropout_rate=0.1)
+  SHAPES["B"](dtype="bfloat16")   # keyword overrides replace TransformerConfig fields
+
+("tiny", a seconds-long smoke test of the scripts, is in SHAPES too.)
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ from transformer.model import TransformerConfig
 # ----------------------------------------------------------------------------
 
 
-def _shape(vocab_size, d_model, num_heads, d_ff, layers, batch, dropout_rate, overrides):
+def _shape(vocab_size, d_model, num_heads, d_ff, layers, batch, dropout_rate, overrides,
+           length=64):
+  settings = {"dtype": "float32", "param_dtype": "float32", **overrides}
   config = TransformerConfig(
       vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
       num_encoder_layers=layers, num_decoder_layers=layers, dropout_rate=dropout_rate,
-      dtype="float32", param_dtype="float32", **overrides)
-  return config, batch, 64, 64
+      **settings)
+  return config, batch, length, length
 
 
 def shape_s(dropout_rate: float = 0.0, **overrides):
@@ -53,7 +58,14 @@ def shape_b(dropout_rate: float = 0.0, **overrides):
   return _shape(32000, 512, 8, 2048, 6, 16, dropout_rate, overrides)
 
 
-SHAPES: dict[str, Callable] = {"S": shape_s, "B": shape_b}
+def shape_tiny(dropout_rate: float = 0.0, **overrides):
+  """-> (TransformerConfig, batch, src_len, tgt_len) of "tiny": not a benchmark
+  but a smoke test of the scripts, seconds on a laptop CPU (vocabulary 512,
+  d_model 64, 4 heads, d_ff 256, 2 + 2 layers, batch 8, lengths 16)."""
+  return _shape(512, 64, 4, 256, 2, 8, dropout_rate, overrides, length=16)
+
+
+SHAPES: dict[str, Callable] = {"S": shape_s, "B": shape_b, "tiny": shape_tiny}
 
 
 def random_batch(config: TransformerConfig, batch: int, src_len: int, tgt_len: int,

@@ -208,3 +208,53 @@ def test_fsdp_splits_the_state_and_gathers_and_scatters_once_per_update():
     assert 0.95 * params <= row["all-gather"][1] <= params, row
     assert row["reduce-scatter"][1] >= 0.95 * params / 8, row   # results: 1/8 each
     assert row["all-reduce"][0] == 0, row
+
+
+def test_accelerator_check_runs_on_cpu_and_every_row_passes():
+  """benchmarks/accelerator_check.py --shapes=tiny, as a person would run it
+  (a subprocess on CPU; fast XLA compiles, as the other subprocess tests use):
+  exit status 0, every row of its table PASS, and every check present."""
+  import subprocess
+  from helpers import REPO, subprocess_env
+  env = subprocess_env(XLA_FLAGS="--xla_backend_optimization_level=0")
+  proc = subprocess.run([sys.executable, "benchmarks/accelerator_check.py", "--shapes=tiny",
+                         "--repeats=2"], env=env, cwd=REPO, capture_output=True, text=True,
+                        timeout=240)
+  assert proc.returncode == 0, proc.stdout + proc.stderr[-5000:]
+  rows = [[cell.strip() for cell in line.strip("|").split("|")]
+          for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+  assert rows and all(row[6] == "PASS" for row in rows), proc.stdout
+  present = {(row[1].split(":")[0], row[2], row[3]) for row in rows}
+  for dtype in ("float32", "bfloat16"):
+    for implementation in ("einsum", "xla"):
+      assert ("attention", implementation, dtype) in present, present
+    assert ("LayerNorm", "layers.LayerNorm vs flax", dtype) in present, present
+    assert any(c == "cached decoding" and d == dtype for c, _, d in present), present
+  assert ("dropout = jax.random.bernoulli's", "prng.dropout", "bfloat16") in present, present
+  measured = {(row[1], row[2]): row[7] for row in rows}
+  assert "as fast" in measured["dropout = jax.random.bernoulli's", "prng.dropout"]
+  assert "MFU" in measured["training step", "einsum attention"]
+  assert "sentences/s" in measured["decoding", "greedy"]
+  assert "sentences/s" in measured["decoding", "beam 4"]
+  assert "FAIL" not in proc.stdout, proc.stdout
+
+
+def test_accelerator_check_fails_a_wrong_attention():
+  """The attention check is not vacuous: attention without the 1/sqrt(d_k)
+  scale, or without the causal mask, FAILs in float32 and under the looser
+  bfloat16 tolerance alike, where the einsums on the same inputs PASS."""
+  import math
+  from benchmarks import accelerator_check as check
+  from transformer import model as M
+  inputs = check.attention_inputs(batch=4, length=16, heads=2, head_dim=16)
+  unscaled = lambda q, k, v, mask: check.reference_attention(
+      q * math.sqrt(q.shape[-1]), k, v, mask)
+  not_causal = lambda q, k, v, mask: check.reference_attention(
+      q, k, v, mask | jnp.swapaxes(mask, -1, -2))
+  einsum = lambda q, k, v, mask: M.scaled_dot_product_attention(
+      q, k, v, mask, implementation="einsum")[0]
+  for dtype in ("float32", "bfloat16"):
+    assert check.check_attention(einsum, "einsum", dtype, inputs).result == "PASS"
+    for name, wrong in (("unscaled", unscaled), ("not causal", not_causal)):
+      row = check.check_attention(wrong, name, dtype, inputs)
+      assert row.result == "FAIL" and row.error > 10 * row.tolerance, row
