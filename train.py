@@ -49,7 +49,10 @@ _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for the vocabulary, checkpoints and metrics "
     "(default: runs/demo for the demo, runs/<config name> otherwise).")
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "Multi-host: host:port of process 0 (or $JAX_COORDINATOR_ADDRESS).")
+    "coordinator_address", None,
+    "Multi-host: host:port of process 0 (or $JAX_COORDINATOR_ADDRESS). Not needed in a "
+    "Slurm job step of several tasks, an Open MPI job or a Cloud TPU pod slice: JAX finds "
+    "the processes itself (--num_processes=1 runs one alone there).")
 _NUM_PROCESSES = flags.DEFINE_integer(
     "num_processes", None, "Multi-host: number of processes (or $JAX_NUM_PROCESSES).")
 _PROCESS_ID = flags.DEFINE_integer(
@@ -88,8 +91,9 @@ def _user_error_message(error: Exception, workdir: str) -> str | None:
 def _report_bug(error: Exception, workdir: str) -> str:
   """The console's message for a bug: where its traceback is, or, when the
   run failed before writing its log, the traceback itself (printed here)."""
+  from transformer import multihost
   from transformer import workdir as workdir_lib
-  log = workdir_lib.log_path(os.path.abspath(workdir))
+  log = workdir_lib.log_path(str(multihost.resolve(workdir)))
   if os.path.exists(log):
     where = f"; the full traceback is in {log}"
   else:
@@ -106,15 +110,21 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from transformer import parallel
-  parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
-                                        _PROCESS_ID.value)
-  from transformer import compile_cache, training
-
+  from transformer import multihost, parallel
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  compile_cache.enable(_COMPILATION_CACHE.value)
   logging.getLogger("transformer").setLevel(logging.INFO)
+  # A cluster JAX configures by itself (before JAX starts its backend):
+  cluster = multihost.cluster_detected() if _NUM_PROCESSES.value != 1 else None
+  if cluster:
+    logging.getLogger("transformer").info(
+        "A %s job of %d processes: starting JAX's distributed runtime with what it detects "
+        "(--num_processes=1 runs this process alone).", *cluster)
+  parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                        _PROCESS_ID.value, auto_detect=cluster is not None)
+  from transformer import compile_cache, training
+
+  compile_cache.enable(_COMPILATION_CACHE.value)
   absl_logging.get_absl_handler().addFilter(_no_library_errors)
   config_path = flags.FLAGS["config"].config_filename
   workdir = _WORKDIR.value or default_workdir(config_path)

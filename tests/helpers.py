@@ -61,13 +61,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_together(commands, env, timeout: float) -> list[str]:
+def run_together(commands, env, timeout: float, *, check: bool = True) -> list:
   """Runs `commands` at once in the repository (e.g. the processes of one
   multi-process JAX run) and returns their outputs (stdout and stderr). Fails
-  the test on a time-out or a non-zero exit, showing the output; no process
-  is left behind."""
-  procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for cmd in commands]
+  the test on a time-out or (with `check`) a non-zero exit, showing the
+  output; without `check`, returns (exit status, output) pairs. No process is
+  left behind. `env`: one environment for all, or a list, one per command."""
+  envs = env if isinstance(env, list) else [env] * len(commands)
+  procs = [subprocess.Popen(cmd, env=cmd_env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for cmd, cmd_env in zip(commands, envs)]
   try:
     outputs = [p.communicate(timeout=timeout)[0] for p in procs]
   except subprocess.TimeoutExpired:
@@ -77,6 +80,8 @@ def run_together(commands, env, timeout: float) -> list[str]:
       if p.poll() is None:
         p.kill()
         p.wait()
+  if not check:
+    return [(p.returncode, output) for p, output in zip(procs, outputs)]
   for p, output in zip(procs, outputs):
     assert p.returncode == 0, f"{p.args} failed:\n{output[-5000:]}"
   return outputs

@@ -27,9 +27,12 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from transformer import multihost
 from transformer.checkpoints import (AVERAGED_DIR, CHECKPOINT_DIR, META_ITEM, PARAMS_ITEM,
                                      PARAMS_KEY, STATE_ITEM, abstract_target,
-                                     checkpoint_steps, restore_params_from_state, step_dir)
+                                     checkpoint_steps, manager_options, multiprocessing_options,
+                                     pytree_handler, pytree_save, restore_params_from_state,
+                                     step_dir)
 from transformer.disk_space import (SPACE_MARGIN, DiskFullError, is_disk_full,
                                     remove_unfinished, tree_bytes)
 
@@ -68,7 +71,7 @@ def average_checkpoints(
   if steps is None:
     available = checkpoint_steps(workdir)
     if not available:
-      directory = epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR
+      directory = multihost.resolve(workdir) / CHECKPOINT_DIR
       raise FileNotFoundError(f"No checkpoints to average in {directory}.")
     steps = available[-num:]
   steps = [int(s) for s in steps]
@@ -99,8 +102,11 @@ def save_averaged(
     steps: Sequence[int],
     *,
     metadata: dict[str, Any] | None = None,
+    per_process: bool = False,
 ) -> epath.Path:
-  """Saves averaged params to `<workdir>/checkpoints_averaged/<max(steps)>/`.
+  """Saves averaged params to `<workdir>/checkpoints_averaged/<max(steps)>/`
+  (with `per_process`, every process into its own workdir: see
+  `checkpoints.Checkpointer`).
 
   Only the newest averaged checkpoint is kept (the new one is written and
   committed before the old one is deleted). Re-averaging the same steps is a
@@ -116,17 +122,20 @@ def save_averaged(
   steps = [int(s) for s in steps]
   if not steps:
     raise ValueError("save_averaged: no steps given.")
-  directory = epath.Path(os.path.abspath(workdir)) / AVERAGED_DIR
+  directory = multihost.resolve(workdir) / AVERAGED_DIR
   step = max(steps)
+  per_process = per_process and jax.process_count() > 1
   manager = ocp.CheckpointManager(
       directory,
       options=ocp.CheckpointManagerOptions(
           preservation_policy=ocp.checkpoint_managers.LatestN(1),
           enable_async_checkpointing=False,
           cleanup_tmp_directories=True,
+          **manager_options(per_process),
       ),
-      item_handlers={PARAMS_ITEM: ocp.StandardCheckpointHandler(),
-                     META_ITEM: ocp.JsonCheckpointHandler()},
+      item_handlers={PARAMS_ITEM: pytree_handler(per_process),
+                     META_ITEM: ocp.JsonCheckpointHandler(
+                         multiprocessing_options=multiprocessing_options(per_process))},
   )
   closed = False
   try:
@@ -146,7 +155,7 @@ def save_averaged(
     needed = int(tree_bytes(params) * (1 + SPACE_MARGIN))   # (for the message)
     try:
       manager.save(step, args=ocp.args.Composite(**{
-          PARAMS_ITEM: ocp.args.StandardSave(params),
+          PARAMS_ITEM: pytree_save(params, per_process),
           META_ITEM: ocp.args.JsonSave(meta),
       }), force=True)
       manager.wait_until_finished()
@@ -171,7 +180,7 @@ def _averaged_disk_full(workdir, directory, steps, needed, unfinished=()) -> Dis
       directory, f"the average of steps {list(steps)}", needed,
       shutil.disk_usage(directory).free, latest, unfinished=unfinished,
       advice=(f"Free space on that disk (the training checkpoints in "
-              f"{epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR} are complete), or "
+              f"{multihost.resolve(workdir) / CHECKPOINT_DIR} are complete), or "
               "set config.average_last=1 to skip averaging"))
 
 
@@ -182,16 +191,18 @@ def average_and_save(
     num: int = 5,
     steps: Sequence[int] | None = None,
     params_key: str = PARAMS_KEY,
+    per_process: bool = False,
 ) -> tuple[Any, list[int]]:
-  """`average_checkpoints` + `save_averaged`; returns (params, steps averaged)."""
+  """`average_checkpoints` + `save_averaged` (`per_process`: see there);
+  returns (params, steps averaged)."""
   if steps is None:
     steps = checkpoint_steps(workdir)[-num:]
     if not steps:
-      directory = epath.Path(os.path.abspath(workdir)) / CHECKPOINT_DIR
+      directory = multihost.resolve(workdir) / CHECKPOINT_DIR
       raise FileNotFoundError(f"No checkpoints to average in {directory}.")
   steps = [int(s) for s in steps]
   params = average_checkpoints(workdir, target_params, steps=steps, params_key=params_key)
-  save_averaged(workdir, params, steps)
+  save_averaged(workdir, params, steps, per_process=per_process)
   return params, steps
 
 
@@ -229,7 +240,7 @@ def load_params(
     params, or (params, info) with `with_info=True`; info has "kind"
     ("averaged" | "step"), "step", "path" and, for averaged, "averaged_steps".
   """
-  workdir = epath.Path(os.path.abspath(workdir))
+  workdir = multihost.resolve(workdir)
   if which == "auto":
     which = "averaged" if checkpoint_steps(workdir, AVERAGED_DIR) else "latest"
   if which == "averaged":

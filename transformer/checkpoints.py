@@ -37,6 +37,16 @@ back `json.dumps(state).encode()`). Each process stores its
 own (`process_<i>-of-<n>.json`, as grain's orbax handler does), so multi-host
 data positions resume exactly; restoring with a different number of processes
 raises (pass `restore_data_state=False` to start the data afresh instead).
+
+Processes without a shared disk (`per_process=True`; multihost.py says when):
+each process writes every checkpoint whole into its own workdir, as if it were
+alone (orbax's local-checkpoint setting: no primary host, every array written
+from this process's own copy), so that each can resume, average and decode from
+its disk. Before anything else the processes keep only the steps they all have
+(a step one of them finished and another did not, killed in between, is
+removed), so that all resume from the same step. Arrays sharded over processes
+(not replicated) are written as this process's slices only: such a workdir
+resumes with the same processes and devices.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer import parallel
+from transformer import multihost, parallel
 from transformer.disk_space import (SPACE_MARGIN, DiskFullError, disk_bytes, is_disk_full,
                                     remove_unfinished, tree_bytes)
 
@@ -131,6 +141,87 @@ class ProcessJsonRestore(ocp.args.CheckpointArgs):
 
 
 # --------------------------------------------------------------------------
+# Every process its own copy (no shared disk)
+# --------------------------------------------------------------------------
+
+
+class _NoPrimaryHostNotes(logging.Filter):
+  """Drops orbax's warning, at every save, that it does not log global sizes
+  without a primary host (the setting of `per_process`)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "logging disabled for `primary_host=None`" not in record.getMessage()
+
+
+_NO_PRIMARY_HOST_NOTES = _NoPrimaryHostNotes()
+
+
+def multiprocessing_options(per_process: bool) -> ocp.options.MultiprocessingOptions:
+  """orbax's default (process 0 the primary host, arrays written once for all
+  processes), or with `per_process` none (every process writes all)."""
+  if not per_process:
+    return ocp.options.MultiprocessingOptions()
+  logging.getLogger("absl").addFilter(_NO_PRIMARY_HOST_NOTES)
+  return ocp.options.MultiprocessingOptions(primary_host=None)
+
+
+def pytree_handler(per_process: bool):
+  """The handler of a pytree of arrays: orbax's StandardCheckpointHandler, or
+  with `per_process` a PyTreeCheckpointHandler whose jax.Arrays are written by
+  every process from its own shards (replica_id=None), as orbax's emergency
+  local checkpoints are; its items are saved with `pytree_save` and restored
+  with `pytree_restore`. (Numpy leaves are refused there: orbax writes those
+  from process 0 only.)"""
+  if not per_process:
+    return ocp.StandardCheckpointHandler()
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, ocp.type_handlers.ArrayHandler(
+          primary_host=None, replica_id=None, use_replica_parallel=False)))
+  return ocp.PyTreeCheckpointHandler(multiprocessing_options=multiprocessing_options(True),
+                                     type_handler_registry=registry)
+
+
+def pytree_save(tree: Any, per_process: bool):
+  return ocp.args.PyTreeSave(tree) if per_process else ocp.args.StandardSave(tree)
+
+
+def pytree_restore(abstract: Any, per_process: bool):
+  if not per_process:
+    return ocp.args.StandardRestore(abstract)
+  return ocp.args.PyTreeRestore(
+      item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+
+
+def manager_options(per_process: bool) -> dict[str, Any]:
+  """CheckpointManagerOptions fields for `per_process` (none otherwise)."""
+  if not per_process:
+    return {}
+  return {"multiprocessing_options": multiprocessing_options(True),
+          "enable_per_process_directory_creation": True}
+
+
+def keep_common_steps(directory: epath.Path) -> list[int]:
+  """Removes the steps in `directory` that not every process has (each
+  process its own directory); returns the steps kept. Raises ValueError,
+  removing nothing, when the processes have steps but none in common (a
+  workdir emptied or replaced: its checkpoints are not reproducible)."""
+  steps = sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
+  common = multihost.common_steps(steps)
+  if not common and not multihost.all_processes(not steps):
+    raise ValueError(
+        f"The processes' workdirs have no checkpoint step in common (here, {directory}: "
+        f"{steps or 'none'}): the workdir of a process lost its checkpoints, and resuming "
+        "needs those of every process. Restore that workdir, or train from the start into "
+        "new workdirs.")
+  for step in sorted(set(steps) - set(common)):
+    logger.warning("Removing checkpoint step %d from %s: not every process has it (a run "
+                   "stopped while saving); all resume from step %s.", step, directory,
+                   max(common) if common else "0")
+    (directory / str(step)).rmtree()
+  return common
+
+
+# --------------------------------------------------------------------------
 # Targets and shardings
 # --------------------------------------------------------------------------
 
@@ -195,6 +286,9 @@ class Checkpointer:
     subdir: directory name under `workdir`.
     check_space: before each save, raise DiskFullError (writing nothing) if
       the disk lacks room for one more checkpoint (module docstring).
+    per_process: every process writes its own copy of every checkpoint into
+      its own `workdir` (processes without a shared disk; module docstring).
+      Ignored for a single process.
 
   Call `close()` (or use `with Checkpointer(...) as ckpt:`) at the end so the
   last save is finished and old steps are deleted. A save that fails for a
@@ -212,13 +306,17 @@ class Checkpointer:
       read_only: bool = False,
       subdir: str = CHECKPOINT_DIR,
       check_space: bool = True,
+      per_process: bool = False,
   ):
     if save_every < 1:
       raise ValueError(f"save_every must be >= 1, got {save_every}.")
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}.")
-    self.workdir = epath.Path(os.path.abspath(workdir))
+    self.workdir = multihost.resolve(workdir)
     self.directory = self.workdir / subdir
+    self.per_process = per_process and jax.process_count() > 1
+    if self.per_process and not read_only:
+      keep_common_steps(self.directory)
     self.keep = keep
     self.save_every = save_every
     self.check_space = check_space
@@ -226,6 +324,7 @@ class Checkpointer:
     self._failed = False                   # a save failed: close() only releases
     self._measured: tuple[int, int] | None = None   # (step, its bytes on disk)
     self._state_bytes = 0                  # the arrays of the last state saved
+    self._told_sharded = False             # (per_process: warned of a sharded state)
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.AnySavePolicy([
@@ -237,14 +336,16 @@ class Checkpointer:
         cleanup_tmp_directories=not read_only,
         read_only=read_only,
         create=not read_only,
+        **manager_options(self.per_process),
     )
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=options,
         item_handlers={
-            STATE_ITEM: ocp.StandardCheckpointHandler(),
+            STATE_ITEM: pytree_handler(self.per_process),
             DATA_ITEM: ProcessJsonCheckpointHandler(),
-            META_ITEM: ocp.JsonCheckpointHandler(),
+            META_ITEM: ocp.JsonCheckpointHandler(
+                multiprocessing_options=multiprocessing_options(self.per_process)),
         },
     )
 
@@ -310,11 +411,18 @@ class Checkpointer:
     if metadata:
       meta.update(metadata)
     args = ocp.args.Composite(**{
-        STATE_ITEM: ocp.args.StandardSave(state),
+        STATE_ITEM: pytree_save(state, self.per_process),
         DATA_ITEM: ProcessJsonSave({"data_state": data_state}),
         META_ITEM: ocp.args.JsonSave(meta),
     })
     self._state_bytes = tree_bytes(state)
+    if self.per_process and not self._told_sharded and any(
+        isinstance(x, jax.Array) and not x.is_fully_replicated for x in jax.tree.leaves(state)):
+      self._told_sharded = True
+      logger.warning("The train state is sharded over the processes and each writes its own "
+                     "workdir: each checkpoint there holds this process's slices only; it "
+                     "resumes with the same processes and devices, and decoding needs the "
+                     "slices of all of them (a shared workdir has them).")
     if self.check_space and (force or self._manager.should_save(step)):
       self.wait()   # (orbax's save waits for the previous one first anyway)
       self._check_space(step)
@@ -329,16 +437,21 @@ class Checkpointer:
     """Raises DiskFullError, before anything is written, if the disk has
     less room than the next checkpoint needs (`_needed_bytes`): once the size
     of one is known (before the first, a full disk is caught when a write
-    fails). With several processes, process 0 decides for all."""
+    fails). With several processes, process 0 decides for all, or with
+    `per_process` (each its own disk) every process for its disk. Object
+    stores (gs://...) are not checked."""
     latest = self._finished_step()
     if latest is None:
       return
     needed = self._needed_bytes(latest)
-    free = shutil.disk_usage(self.directory).free
-    fits = free >= needed
-    if jax.process_count() > 1:
+    free = shutil.disk_usage(self.directory).free if multihost.is_local(self.directory) else None
+    fits = free is None or free >= needed
+    if self.per_process:
+      fits = multihost.all_processes(fits)
+    elif jax.process_count() > 1:
       from jax.experimental import multihost_utils
       fits = bool(multihost_utils.broadcast_one_to_all(np.int32(fits)))
+    free = needed if free is None else free
     if not fits:
       raise DiskFullError(self.directory, f"the checkpoint of step {step}", needed, free,
                           latest, advice=self._advice(latest))
@@ -428,7 +541,7 @@ class Checkpointer:
       )
     abstract = abstract_target(target_state)
     self._check_fits(step, abstract)
-    items = {STATE_ITEM: ocp.args.StandardRestore(abstract)}
+    items = {STATE_ITEM: pytree_restore(abstract, self.per_process)}
     if restore_data_state:
       items[DATA_ITEM] = ProcessJsonRestore()
     try:
@@ -525,7 +638,7 @@ class Checkpointer:
 
 
 def step_dir(workdir, step: int, subdir: str = CHECKPOINT_DIR) -> epath.Path:
-  return epath.Path(os.path.abspath(workdir)) / subdir / str(int(step))
+  return multihost.resolve(workdir) / subdir / str(int(step))
 
 
 def restore_params_from_state(path: epath.Path, target_params: Any, params_key: str) -> Any:
@@ -548,7 +661,7 @@ def restore_params_from_state(path: epath.Path, target_params: Any, params_key: 
 
 def checkpoint_steps(workdir: str | os.PathLike, subdir: str = CHECKPOINT_DIR) -> list[int]:
   """Finished steps in `<workdir>/<subdir>`, ascending (tmp dirs excluded)."""
-  directory = epath.Path(os.path.abspath(workdir)) / subdir
+  directory = multihost.resolve(workdir) / subdir
   if not directory.exists():
     return []
   return sorted(ocp.utils.checkpoint_steps(directory))

@@ -10,6 +10,9 @@ import time
 
 import sacrebleu
 import tqdm
+from etils import epath
+
+from transformer import multihost
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -31,7 +34,9 @@ def translation_scores(hypotheses: list[str], references: list[str]) -> dict[str
 
 class MetricsWriter:
   """Writes scalars to `<workdir>/tensorboard/` (event files) and appends them,
-  one JSON object per line, to `<workdir>/metrics.jsonl`. Only process 0 writes."""
+  one JSON object per line, to `<workdir>/metrics.jsonl`. Only process 0 writes.
+  On an object store (gs://...: tensorboardX writes there itself) metrics.jsonl,
+  which cannot be appended to, is written whole at each write."""
 
   def __init__(self, workdir: str, enabled: bool = True):
     self.enabled = enabled
@@ -40,7 +45,8 @@ class MetricsWriter:
     if enabled:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
-      self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a")
+      path = os.path.join(workdir, METRICS_FILE)
+      self._jsonl = open(path, "a") if multihost.is_local(path) else _WrittenWhole(path)
 
   def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
     if not self.enabled:
@@ -57,6 +63,24 @@ class MetricsWriter:
     if self.enabled:
       self._tb.close()
       self._jsonl.close()
+
+
+class _WrittenWhole:
+  """An object (gs://...) appended to as a file is: kept in memory (with what
+  it held before) and written whole at each flush."""
+
+  def __init__(self, path: str):
+    self._path = epath.Path(path)
+    self._text = self._path.read_text() if self._path.exists() else ""
+
+  def write(self, text: str) -> None:
+    self._text += text
+
+  def flush(self) -> None:
+    multihost.write_file(self._path, self._text)
+
+  def close(self) -> None:
+    pass
 
 
 class _NoProgress:

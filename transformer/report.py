@@ -12,7 +12,7 @@ import os
 import time
 
 from transformer import metrics as metrics_lib
-from transformer import plotting
+from transformer import multihost, plotting
 from transformer.text_io import write_lines
 
 TEST_TRANSLATIONS_FILE = "test_translations.txt"
@@ -25,13 +25,21 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
   `translation.Translator` holding the final, averaged when there is one,
   parameters), writes the translations to TEST_TRANSLATIONS_FILE and returns
   `metrics.translation_scores` against the targets, with the number of
-  sentences and the seconds the translation took."""
+  sentences and the seconds the translation took. With several processes
+  each translates its share (`multihost.split_across_processes`), and every
+  process scores them all and writes them to its workdir."""
   sources = [source for source, _ in pairs]
   references = [target for _, target in pairs]
   start = time.perf_counter()
-  hypotheses = translator.translate(sources, method=method, beam_size=beam_size)
+  hypotheses = multihost.split_across_processes(
+      lambda share: translator.translate(share, method=method, beam_size=beam_size),
+      sources, what="test sentences")
   seconds = time.perf_counter() - start
-  write_lines(hypotheses, os.path.join(workdir, TEST_TRANSLATIONS_FILE))
+  path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
+  if multihost.is_local(path):
+    write_lines(hypotheses, path)
+  else:
+    multihost.write_file(path, "".join(line + "\n" for line in hypotheses))
   scores = metrics_lib.translation_scores(hypotheses, references)
   scores.update(sentences=float(len(pairs)), seconds=seconds)
   return scores

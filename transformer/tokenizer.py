@@ -121,7 +121,7 @@ class Tokenizer:
 
 def train_tokenizer(
     sentences: Iterable[str],
-    model_path: str,
+    model_path: str | None,
     vocab_size: int,
     *,
     character_coverage: float = 1.0,
@@ -140,6 +140,7 @@ def train_tokenizer(
       spread-out sample (see `transformer.data.sample_sentences`).
     model_path: where to write the model, e.g. `<workdir>/vocab.model`. The
       file is written atomically (temp file + rename); parent dirs are created.
+      None: not written (`Tokenizer.serialized_model()` holds it).
     vocab_size: the wanted number of ids including the 4 special ones. This is
       a *soft* limit (`hard_vocab_limit=False`): on a tiny corpus that cannot
       fill it, SentencePiece stops early and the vocabulary is smaller; read the
@@ -163,7 +164,8 @@ def train_tokenizer(
   # SentencePiece skips empty lines; a corpus with no text cannot be trained on.
   if not any(s.strip() for s in corpus):
     raise ValueError(
-        f"Cannot train the vocabulary for {model_path}: the training text is "
+        f"Cannot train the vocabulary{f' for {model_path}' if model_path else ''}: "
+        "the training text is "
         "empty. Check the training data source (config.data)."
     )
   buf = io.BytesIO()
@@ -199,7 +201,8 @@ def train_tokenizer(
       ) from e
     raise
   tokenizer = Tokenizer(buf.getvalue(), model_path=model_path)
-  write_atomically(model_path, buf.getvalue())
+  if model_path is not None:
+    write_atomically(model_path, buf.getvalue())
   return tokenizer
 
 

@@ -35,15 +35,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import attention_choice, averaging, checkpoints, data, parallel, prng
-from transformer import report, run_monitor
+from transformer import (attention_choice, averaging, checkpoints, data, multihost, parallel,
+                         prng, report, run_monitor)
 from transformer import time_budget as time_budget_lib
 from transformer import tokenizer as tokenizer_lib
 from transformer import metrics as metrics_lib
 from transformer import translation, workdir as workdir_lib
-from transformer.text_io import write_atomically
 from transformer.model import Transformer, TransformerConfig, init_params, shift_right
 
 logger = logging.getLogger(__name__)
@@ -294,25 +294,49 @@ def _unknown_model_fields(config) -> list[str]:
   return sorted(set(config.model.keys()) - names)
 
 
-def get_tokenizer(config, workdir: str, train_pairs) -> tokenizer_lib.Tokenizer:
+def get_tokenizer(config, workdir: str, train_pairs, *,
+                  shared: bool = True) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
-  trained on the training data the first time (by process 0)."""
+  trained on the training data the first time.
+
+  Process 0 reads or trains it and sends it to the other processes (as
+  bytes: only process 0 reads config.vocab_path or the workdir's copy). It
+  is written to <workdir>/vocab.model when that is missing, so that the
+  workdir alone is enough to decode: by process 0, and with workdirs of their
+  own (`shared=False`) by every process into its own (replacing a copy that
+  differs from process 0's)."""
   path = os.path.join(workdir, workdir_lib.VOCAB_FILE)
-  if config.get("vocab_path"):
-    # Copied into the workdir, so that the workdir alone is enough to decode.
-    tokenizer = tokenizer_lib.load_tokenizer(config.vocab_path)
-    if jax.process_index() == 0 and not os.path.exists(path):
-      write_atomically(path, tokenizer.serialized_model())
-    return tokenizer
-  if not os.path.exists(path) and jax.process_index() == 0:
-    logger.info("Training a SentencePiece vocabulary of %d pieces -> %s", config.vocab_size, path)
-    tokenizer_lib.train_tokenizer(
-        data.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
-        path, config.vocab_size, model_type=config.get("vocab_model_type", "unigram"))
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("vocabulary written")
-  return tokenizer_lib.load_tokenizer(path)
+  is_main = jax.process_index() == 0
+  model, error = None, None
+  if is_main:
+    try:
+      if config.get("vocab_path"):
+        model = tokenizer_lib.load_tokenizer(config.vocab_path).serialized_model()
+      elif epath.Path(path).exists():
+        model = workdir_lib.read_tokenizer(path).serialized_model()
+      else:
+        logger.info("Training a SentencePiece vocabulary of %d pieces -> %s",
+                    config.vocab_size, path)
+        model = tokenizer_lib.train_tokenizer(
+            data.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
+            path if multihost.is_local(path) else None, config.vocab_size,
+            model_type=config.get("vocab_model_type", "unigram")).serialized_model()
+    except Exception as e:  # (the others wait for the vocabulary: send them nothing)
+      if jax.process_count() == 1:
+        raise
+      model, error = b"", e
+  model = multihost.broadcast_bytes(model)
+  if error is not None:
+    raise error
+  if not model:
+    raise RuntimeError("Process 0 could not make the vocabulary; see its error.")
+  if is_main or not shared:
+    stored = epath.Path(path).read_bytes() if epath.Path(path).exists() else None
+    if stored is None or (stored != model and not is_main):
+      if stored is not None:
+        logger.warning("%s differs from process 0's vocabulary: replaced by it.", path)
+      multihost.write_file(path, model)
+  return tokenizer_lib.Tokenizer(model, model_path=config.get("vocab_path") or path)
 
 
 # ----------------------------------------------------------------------------
@@ -445,13 +469,16 @@ class Evaluator:
 
   def translation_scores(self, params) -> dict[str, float]:
     """BLEU, chrF, exact match ... (`metrics.translation_scores`) of the
-    translations of `bleu_pairs`."""
+    translations of `bleu_pairs`. With several processes each translates its
+    share (`multihost.split_across_processes`) and every process scores them all."""
     translator = self.translator(params)
     sources = [source for source, _ in self.bleu_pairs]
     references = [target for _, target in self.bleu_pairs]
     start = time.perf_counter()
-    hypotheses = translator.translate(sources, method=self.config.eval_decode_method,
-                                      beam_size=self.config.eval_beam_size)
+    hypotheses = multihost.split_across_processes(
+        lambda share: translator.translate(share, method=self.config.eval_decode_method,
+                                           beam_size=self.config.eval_beam_size),
+        sources, what="validation sentences")
     self.seconds_per_sentence = (time.perf_counter() - start) / len(sources)
     self.samples = list(zip(sources, references, hypotheses))
     return metrics_lib.translation_scores(hypotheses, references)
@@ -479,20 +506,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   started = time.monotonic()
   _check_config(config)
-  workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  path = multihost.resolve(workdir)  # a local path made absolute, or gs://... as it is
+  path.mkdir(parents=True, exist_ok=True)
+  shared = multihost.workdirs_shared(path)
+  if not shared and config.get("state_sharding", "replicated") == "fsdp":
+    raise ValueError(
+        f"config.state_sharding='fsdp' needs one workdir that every process sees (a shared"
+        f" disk, gs://...): {workdir} is this process's own, and each checkpoint there would"
+        f" hold only this process's slices. Give all processes a shared --workdir, or use"
+        f" --config.state_sharding=replicated.")
+  workdir = str(path)
   with contextlib.ExitStack() as stack:
-    stack.enter_context(workdir_lib.hold(workdir))
+    stack.enter_context(workdir_lib.hold(workdir, shared=shared))
     stack.enter_context(workdir_lib.run_log(workdir))
     return _run(config, workdir, stack, quiet=quiet, train_pairs=train_pairs,
-                eval_pairs=eval_pairs, started=started)
+                eval_pairs=eval_pairs, started=started, shared=shared)
 
 
 def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, train_pairs,
-         eval_pairs, started: float) -> TrainResult:
+         eval_pairs, started: float, shared: bool = True) -> TrainResult:
   """`train_and_evaluate` in a held workdir: what it opens is closed by `stack`,
   on every way out (a checkpointer left open on an error would keep writing
-  from its threads)."""
+  from its threads). `shared`: whether the processes share the workdir
+  (`multihost.workdirs_shared`); if not, each keeps its own vocabulary,
+  configs and checkpoints."""
   is_main = jax.process_index() == 0
   for name, stored, requested in workdir_lib.check_config(workdir, config.to_dict()):
     logger.info("config.%s: %s -> %s (allowed on resume)", name, stored, requested)
@@ -501,10 +538,10 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
     train_pairs = data.load_split(config.data, "train")
   if eval_pairs is None:
     eval_pairs = data.load_split(config.data, "eval")
-  tokenizer = get_tokenizer(config, workdir, train_pairs)
+  tokenizer = get_tokenizer(config, workdir, train_pairs, shared=shared)
   model_config = model_config_from(config, tokenizer.vocab_size)
   logger.info("%s", attention_choice.attention_implementation_name(model_config))
-  if is_main:
+  if is_main or not shared:
     workdir_lib.save_configs(workdir, config.to_dict(), model_config)
 
   mesh = parallel.make_mesh()
@@ -513,7 +550,8 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   train_iter = _train_iterator(config, train_pairs, tokenizer)
   stack.callback(train_iter.close)
   ckpt = stack.enter_context(checkpoints.Checkpointer(
-      workdir, keep=config.keep_checkpoints, save_every=config.checkpoint_every))
+      workdir, keep=config.keep_checkpoints, save_every=config.checkpoint_every,
+      per_process=not shared))
   state, start_step = _resume(ckpt, state, train_iter, workdir)
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
@@ -725,6 +763,6 @@ def _average_last_checkpoints(config, workdir: str, ckpt: checkpoints.Checkpoint
   if config.average_last <= 1 or len(ckpt.all_steps()) <= 1:
     return state["params"], False
   averaged, averaged_steps = averaging.average_and_save(
-      workdir, state["params"], num=config.average_last)
+      workdir, state["params"], num=config.average_last, per_process=ckpt.per_process)
   logger.info("Averaged checkpoints %s", averaged_steps)
   return parallel.replicate(averaged, mesh), True

@@ -22,7 +22,11 @@ Which checkpoint: "auto" (the averaged one if there is one, else the latest),
 "averaged", "latest", or a step number; `resolve_checkpoint` turns that into
 "averaged" or a step, or an error that says what is missing and what to do.
 
-Every file written here is written whole or not at all (`text_io.write_atomically`).
+Every file written here is written whole or not at all (`multihost.write_file`).
+Workdirs may be local paths or addresses such as gs://bucket/run: files are
+read and written through `etils.epath` (`multihost.resolve`), as orbax does;
+the lock and the run's log, which need a local file system, are skipped
+elsewhere, with a note.
 
 One run at a time: `hold` locks the workdir for a training run (an OS file
 lock on train.lock, so that a run killed with SIGKILL leaves no stale lock);
@@ -48,11 +52,11 @@ import socket
 import sys
 
 import jax
+from etils import epath
 
-from transformer import averaging, checkpoints
-from transformer.text_io import write_atomically
+from transformer import averaging, checkpoints, multihost
 from transformer.model import TransformerConfig, init_params
-from transformer.tokenizer import load_tokenizer
+from transformer.tokenizer import Tokenizer, load_tokenizer
 from transformer.translation import OptionError, Translator
 
 CONFIG_FILE = "config.json"
@@ -109,8 +113,8 @@ def _train_hint(workdir: str) -> str:
 def save_configs(workdir: str, config: dict, model_config: TransformerConfig) -> None:
   """Writes config.json (the training config, as a dict) and model_config.json."""
   for name, value in ((CONFIG_FILE, config), (MODEL_CONFIG_FILE, model_config.to_dict())):
-    write_atomically(os.path.join(workdir, name),
-                     json.dumps(value, indent=2, sort_keys=True))
+    multihost.write_file(os.path.join(workdir, name),
+                         json.dumps(value, indent=2, sort_keys=True))
 
 
 def load_model_config(workdir: str) -> TransformerConfig:
@@ -122,8 +126,7 @@ def load_model_config(workdir: str) -> TransformerConfig:
   """
   path = _model_config_path(workdir)
   try:
-    with open(path) as f:
-      return TransformerConfig.from_dict(json.load(f))
+    return TransformerConfig.from_dict(json.loads(epath.Path(path).read_text()))
   except (ValueError, TypeError) as e:
     raise ValueError(f"{path} is not a valid model config ({e}); it is written by "
                      "train.py, do not edit it") from None
@@ -132,7 +135,7 @@ def load_model_config(workdir: str) -> TransformerConfig:
 def _model_config_path(workdir: str) -> str:
   """<workdir>/model_config.json, or FileNotFoundError if it is not there."""
   path = os.path.join(workdir, MODEL_CONFIG_FILE)
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     raise FileNotFoundError(f"{path} not found: {workdir} is not a workdir written by "
                             f"train.py; {_train_hint(workdir)}")
   return path
@@ -144,12 +147,12 @@ def vocab_path(workdir: str) -> str:
   Raises FileNotFoundError naming what is missing and what to do.
   """
   path = os.path.join(workdir, VOCAB_FILE)
-  if os.path.exists(path):
+  if epath.Path(path).exists():
     return path
   configured = ""
   try:
-    with open(os.path.join(workdir, CONFIG_FILE)) as f:
-      configured = json.load(f).get("vocab_path") or ""
+    configured = json.loads(
+        epath.Path(os.path.join(workdir, CONFIG_FILE)).read_text()).get("vocab_path") or ""
   except (OSError, ValueError):
     pass
   if configured and os.path.exists(configured):
@@ -159,13 +162,20 @@ def vocab_path(workdir: str) -> str:
                           f"{_train_hint(workdir)} (it writes {VOCAB_FILE} first)")
 
 
+def read_tokenizer(path: str) -> Tokenizer:
+  """`tokenizer.load_tokenizer(path)`, for a local path or an address (gs://...)."""
+  if multihost.is_local(path):
+    return load_tokenizer(path)
+  return Tokenizer(epath.Path(path).read_bytes(), model_path=path)
+
+
 def check_files(workdir: str) -> None:
   """Checks that `workdir` holds a model config and a vocabulary, without
   loading anything (decode.py calls it before reading its input).
 
   Raises FileNotFoundError naming the first thing missing and what to do.
   """
-  if not os.path.isdir(workdir):
+  if not epath.Path(workdir).is_dir():
     raise FileNotFoundError(f"workdir {workdir} does not exist; {_train_hint(workdir)}")
   _model_config_path(workdir)
   vocab_path(workdir)
@@ -178,20 +188,27 @@ def check_files(workdir: str) -> None:
 
 class WorkdirLocked(RuntimeError):
   """Another training run holds the workdir (`hold`); `holder` is what it
-  wrote in the lock file ({"pid", "host", "started"}, {} if unreadable)."""
+  wrote in the lock file ({"pid", "host", "started"}, {} if unreadable).
+  `elsewhere`: this process's workdir is free, another process's is not
+  (processes with a workdir each)."""
 
-  def __init__(self, workdir: str, holder: dict):
+  def __init__(self, workdir: str, holder: dict, *, elsewhere: bool = False):
     who = (f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}"
            + (f", started {holder['started']}" if holder.get("started") else ""))
+    if elsewhere:
+      problem = ("the workdir of another process of this run is in use by another training "
+                 f"run (that process's error names it; {workdir}, this process's, is free)")
+    else:
+      problem = f"workdir {workdir} is in use by another training run ({who})"
     super().__init__(
-        f"workdir {workdir} is in use by another training run ({who}). Wait for it to "
+        f"{problem}. Wait for it to "
         "finish or stop it, or train into another --workdir. (decode.py may read a "
         "workdir while it trains.)")
     self.workdir, self.holder = workdir, holder
 
 
 @contextlib.contextmanager
-def hold(workdir: str):
+def hold(workdir: str, *, shared: bool = True):
   """Holds `workdir` for one training run: the first thing a run does there,
   before it writes anything.
 
@@ -200,26 +217,36 @@ def hold(workdir: str):
   for the message a second run prints; the OS drops the lock when its
   process ends, however it ends, so a run killed with SIGKILL leaves no stale
   lock and the lock file itself is never deleted (deleting it would let two
-  runs lock two different files). With several processes (hosts), process 0
-  locks and all of them stop if it cannot. A file system without locks (some
-  network or FUSE mounts) gets a warning and no lock.
+  runs lock two different files). With several processes (hosts) sharing
+  the workdir, process 0 locks it; with a workdir each (`shared=False`,
+  `multihost.workdirs_shared`) each locks its own; all stop if one cannot. A
+  file system without locks (some network or FUSE mounts) gets a warning and
+  no lock; an object store (gs://...) a note and no lock.
 
   Raises WorkdirLocked naming the holder.
   """
   fd = None
   refused = None
-  if jax.process_index() == 0:
-    try:
-      fd = _lock(os.path.join(workdir, LOCK_FILE))
-    except WorkdirLocked as e:
-      refused = e
-  if jax.process_count() > 1:
+  if jax.process_index() == 0 or not shared:
+    if multihost.is_local(workdir):
+      try:
+        fd = _lock(os.path.join(workdir, LOCK_FILE))
+      except WorkdirLocked as e:
+        refused = e
+    else:
+      logger.info("%s is not on a local file system: it cannot be locked; make sure no "
+                  "other run trains in it.", workdir)
+  if jax.process_count() > 1 and shared:
     import numpy as np
     from jax.experimental import multihost_utils
     locked = bool(multihost_utils.broadcast_one_to_all(np.int32(refused is None)))
     if not locked and refused is None:  # (process 0 could not lock it)
       refused = WorkdirLocked(workdir, _lock_holder(os.path.join(workdir, LOCK_FILE)))
+  elif jax.process_count() > 1:
+    if not multihost.all_processes(refused is None) and refused is None:
+      refused = WorkdirLocked(workdir, {}, elsewhere=True)
   if refused is not None:
+    _unlock(fd)
     raise refused
   try:
     yield
@@ -303,11 +330,10 @@ def check_config(workdir: str, config: dict) -> list[tuple[str, object, object]]
   Raises ConfigMismatch listing every other differing field.
   """
   path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.exists(path):
+  if not epath.Path(path).exists():
     return []
   try:
-    with open(path) as f:
-      stored = _flatten(json.load(f))
+    stored = _flatten(json.loads(epath.Path(path).read_text()))
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); it is written by train.py, do not "
                      "edit it (move it away to start this workdir's config afresh)") from None
@@ -358,6 +384,11 @@ def run_log(workdir: str):
   and print "RuntimeError: Event loop is closed" tracebacks) go here too,
   not to the console, while the run lasts."""
   path = log_path(workdir)
+  if not multihost.is_local(path):  # (an object store cannot append)
+    logger.info("The run's log is not written to %s (not a local file system); "
+                "logging to the console only.", path)
+    yield None
+    return
   try:
     handler = _QuietFileHandler(path, encoding="utf-8")
   except OSError as e:
@@ -479,9 +510,9 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   """
   check_files(workdir)
   which = resolve_checkpoint(workdir, checkpoint)
-  workdir = os.path.abspath(workdir)  # orbax restores only from absolute paths
+  workdir = str(multihost.resolve(workdir))  # orbax restores only from absolute paths
   model_config = load_model_config(workdir)
-  tokenizer = load_tokenizer(vocab_path(workdir))
+  tokenizer = read_tokenizer(vocab_path(workdir))
   target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
   try:
     params, info = averaging.load_params(workdir, target, which=which, with_info=True)

@@ -1,0 +1,329 @@
+"""Tests for transformer/multihost.py: multi-host training without a shared
+disk (issue 16, point 5).
+
+  * paths: a local workdir made absolute, gs://bucket/run left as it is, and
+    a gs:// workdir's vocabulary, configs, lock and log going through epath
+    (a fake bucket: `etils.epath.testing.mock_epath` maps gs:// to tmp_path);
+  * the work split (contiguous shares) and the cluster auto-detection
+    decision of train.py (environments of Slurm / Open MPI, faked);
+  * two `python train.py` processes on localhost, each with its own workdir
+    root (--workdir=<tmp>/disk_a/run and <tmp>/disk_b/run), train, checkpoint,
+    resume (from the step both have) and evaluate, each decoding its share:
+    every workdir alone can resume and decode, and the translations and
+    scores are those of one process decoding everything;
+  * a Slurm job step of two tasks: `python train.py` with no multi-host flags
+    starts JAX's distributed runtime by itself.
+
+The two multi-process tests take about 27 s and 10 s on an idle 2-core
+machine (a cold compilation cache; XLA -O0 in the subprocesses).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from etils.epath import testing as epath_testing
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+import train_worker  # noqa: E402  (no JAX import)
+from helpers import free_port, run_together, subprocess_env  # noqa: E402
+
+from transformer import data, metrics, multihost, training, workdir as workdir_lib  # noqa: E402
+
+TIMEOUT_S = 240
+# Compiling is most of a short run: XLA's -O0 compiles several times faster.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
+
+
+# ----------------------------------------------------------------------------
+# Paths
+# ----------------------------------------------------------------------------
+
+
+def test_resolve_makes_local_paths_absolute_and_leaves_addresses_alone(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert str(multihost.resolve("runs/a")) == str(tmp_path / "runs" / "a")
+  assert str(multihost.resolve(tmp_path / "b")) == str(tmp_path / "b")
+  for address in ("gs://bucket/run", "s3://bucket/a/b", "gs://bucket"):
+    assert str(multihost.resolve(address)) == address   # not /cwd/gs:/bucket/run
+    assert not multihost.is_local(address)
+  assert str(multihost.resolve("gs://bucket/run") / "vocab.model") == "gs://bucket/run/vocab.model"
+  assert multihost.is_local("runs/a") and multihost.is_local(tmp_path)
+  assert multihost.is_local("weird:name/x")  # a colon alone is a local name
+
+
+@pytest.fixture
+def fake_bucket(tmp_path, monkeypatch):
+  """gs://... paths, through epath, land in <tmp_path>/bucket_root/...; the
+  current directory is <tmp_path>/cwd (where a mangled path would land)."""
+  root = tmp_path / "bucket_root"
+  root.mkdir()
+  (tmp_path / "cwd").mkdir()
+  monkeypatch.chdir(tmp_path / "cwd")
+
+  def local(path):
+    path = os.fspath(path)
+    assert path.startswith("gs://"), path
+    return str(root / path[len("gs://"):])
+
+  def redirect(original, path, *args, **kwargs):
+    return original(local(path), *args, **kwargs)
+
+  names = ("exists", "isdir", "listdir", "makedirs", "mkdir", "open", "remove", "rmtree",
+           "stat", "walk")
+  with epath_testing.mock_epath(**{name: redirect for name in names}):
+    yield root
+
+
+class _FakeSummaryWriter:
+  """tensorboardX's writer (it writes gs:// itself, with google-cloud-storage)."""
+
+  def __init__(self, logdir):
+    self.logdir = logdir
+
+  def add_scalar(self, *args):
+    pass
+
+  def flush(self):
+    pass
+
+  def close(self):
+    pass
+
+
+def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypatch):
+  """The vocabulary, configs, metrics, lock and log of a gs:// workdir:
+  written to and read from the bucket, nothing under the current directory."""
+  config = train_worker.tiny_config()
+  train_pairs = data.load_split(config.data, "train")
+  workdir = str(multihost.resolve("gs://bucket/run"))
+  with caplog.at_level(logging.INFO, logger="transformer"):
+    with workdir_lib.hold(workdir), workdir_lib.run_log(workdir) as log:
+      tokenizer = training.get_tokenizer(config, workdir, train_pairs)
+  assert log is None
+  assert "cannot be locked" in caplog.text and "logging to the console only" in caplog.text
+  stored = fake_bucket / "bucket" / "run" / workdir_lib.VOCAB_FILE
+  assert stored.read_bytes() == tokenizer.serialized_model()
+  assert not (fake_bucket / "bucket" / "run" / workdir_lib.LOCK_FILE).exists()
+  assert list((tmp_path / "cwd").iterdir()) == []   # (os.path: cwd/gs:/bucket/run/...)
+
+  model_config = training.model_config_from(config, tokenizer.vocab_size)
+  workdir_lib.save_configs(workdir, config.to_dict(), model_config)
+  assert workdir_lib.check_config(workdir, config.to_dict()) == []
+  assert workdir_lib.load_model_config(workdir) == model_config
+  assert workdir_lib.vocab_path(workdir) == "gs://bucket/run/vocab.model"
+  workdir_lib.check_files(workdir)
+  again = training.get_tokenizer(config, workdir, [])   # read back, not trained
+  assert again.serialized_model() == tokenizer.serialized_model()
+  assert (workdir_lib.read_tokenizer(workdir_lib.vocab_path(workdir)).serialized_model()
+          == tokenizer.serialized_model())
+
+  import tensorboardX
+  monkeypatch.setattr(tensorboardX, "SummaryWriter", _FakeSummaryWriter)
+  for steps in ([1, 2], [3]):  # (a resumed run appends)
+    writer = metrics.MetricsWriter(workdir)
+    for step in steps:
+      writer.write(step, {"loss": 1.0 / step}, prefix="train")
+    writer.close()
+  lines = (fake_bucket / "bucket" / "run" / metrics.METRICS_FILE).read_text().splitlines()
+  assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+  assert list((tmp_path / "cwd").iterdir()) == []
+
+
+def test_write_file_is_atomic_locally(tmp_path):
+  path = tmp_path / "sub" / "f.txt"
+  multihost.write_file(path, "one\n")
+  multihost.write_file(path, b"two\n")
+  assert path.read_text() == "two\n"
+  assert sorted(p.name for p in path.parent.iterdir()) == ["f.txt"]
+
+
+# ----------------------------------------------------------------------------
+# Splitting work; one process
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_process_shares_are_contiguous_and_cover_every_item(count):
+  for n in range(12):
+    shares = [multihost.process_share(n, index, count) for index in range(count)]
+    assert [i for share in shares for i in range(n)[share]] == list(range(n))
+    sizes = [len(range(n)[share]) for share in shares]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_one_process_does_everything_itself(tmp_path):
+  assert jax.process_count() == 1
+  assert multihost.split_across_processes(lambda xs: [x.upper() for x in xs], ["a", "b"]) == [
+      "A", "B"]
+  assert multihost.allgather_strings(["é", ""]) == ["é", ""]
+  assert multihost.broadcast_bytes(b"\x00vocab") == b"\x00vocab"
+  assert multihost.common_steps([4, 2]) == [2, 4]
+  assert multihost.all_processes(True) and not multihost.all_processes(False)
+  assert multihost.workdirs_shared(tmp_path)
+  assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------
+# Cluster auto-detection (train.py with no multi-host flags)
+# ----------------------------------------------------------------------------
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "node[01-02]",
+              "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, None),                                           # a plain machine
+    (dict(SLURM_STEP, SLURM_NTASKS="2"), ("slurm", 2)),   # srun -n 2 python train.py
+    (dict(SLURM_STEP, SLURM_NTASKS="1"), None),           # one task: run alone
+    ({"SLURM_JOB_ID": "1234", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"}, None),  # sbatch script
+    ({"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1:34911",
+      "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, ("ompi", 4)),   # mpirun -n 4
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),       # not one of ours
+])
+def test_cluster_detected(env, expected, monkeypatch):
+  for name in list(os.environ):
+    if name.startswith(("SLURM_", "OMPI_", "KUBERNETES_", "TPU_", "MEGASCALE_")):
+      monkeypatch.delenv(name)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  assert multihost.cluster_detected() == expected
+
+
+# ----------------------------------------------------------------------------
+# Two processes, two disks: python train.py
+# ----------------------------------------------------------------------------
+
+
+SEPARATE = dict(num_train_steps=30, checkpoint_every=10, keep_checkpoints=3, average_last=2,
+                num_bleu_examples=5, test_report=True, test_decode_method="greedy",
+                **{"data.demo_num_test": 6})
+
+
+def tiny_flags(overrides: dict) -> list[str]:
+  values = dict(train_worker.TINY_OVERRIDES)
+  values.update(overrides)
+  return [f"--config.{k}={v}" for k, v in values.items()]
+
+
+def train_py_processes(workdirs, overrides, cache_dir, *, flags=True, env=None,
+                       check=True) -> list:
+  """Runs one `python train.py` per workdir at once (process i in
+  workdirs[i]) as one multi-process run on localhost; their outputs
+  (`helpers.run_together`)."""
+  port = free_port()
+  env = subprocess_env(cache_dir, JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+                       XLA_FLAGS=FAST_COMPILE_FLAGS, **(env or {}))
+  commands = []
+  for pid, workdir in enumerate(workdirs):
+    multihost_flags = ([f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                        f"--process_id={pid}"] if flags else [])
+    commands.append([sys.executable, "train.py", "--config=configs/default.py", "--quiet",
+                     f"--workdir={workdir}", *multihost_flags, *tiny_flags(overrides)])
+  if not flags:  # (a Slurm job step: each process its own SLURM_PROCID)
+    env = [dict(env, SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid),
+                JAX_COORDINATOR_PORT=str(port)) for pid in range(len(workdirs))]
+  return run_together(commands, env, TIMEOUT_S, check=check)
+
+
+def read_log(workdir: Path, pid: int) -> str:
+  name = "train.log" if pid == 0 else f"train.process_{pid}.log"
+  return (workdir / name).read_text()
+
+
+def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path,
+                                                                        tmp_path_factory):
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  disks = [tmp_path / "disk_a" / "run", tmp_path / "disk_b" / "run"]
+
+  # (The first run decodes nothing: evaluation is the second's.)
+  outputs = train_py_processes(disks, dict(SEPARATE, num_bleu_examples=0, test_report=False),
+                               cache)
+  for pid, (disk, output) in enumerate(zip(disks, outputs)):
+    assert f"Trained 30 steps into {disk}" in output
+    # Each workdir alone holds what decoding and resuming need (today process 1
+    # looked for process 0's vocab.model in its own workdir and stopped).
+    for name in ("vocab.model", "config.json", "model_config.json"):
+      assert (disk / name).exists(), (disk, name)
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["10", "20", "30"]
+    assert [p.name for p in (disk / "checkpoints" / "30" / "data_state").glob("*.json")] == [
+        f"process_{pid}-of-2.json"]
+  assert (disks[0] / "vocab.model").read_bytes() == (disks[1] / "vocab.model").read_bytes()
+  assert (disks[0] / "metrics.jsonl").exists() and not (disks[1] / "metrics.jsonl").exists()
+
+  # A process killed after one of them finished step 30: disk_b lacks it.
+  # Both resume from step 20 (disk_a's 30 is removed), then train to 40.
+  (disks[1] / "checkpoints" / "30").rename(tmp_path / "step_30_of_b")
+  outputs = train_py_processes(disks, dict(SEPARATE, num_train_steps=40), cache)
+  for pid, (disk, output) in enumerate(zip(disks, outputs)):
+    assert f"Trained 40 steps into {disk}" in output
+    log = read_log(disk, pid)
+    assert f"Resumed from step 20 in {disk}" in log
+    assert ("Removing checkpoint step 30" in log) == (pid == 0)
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["20", "30", "40"]
+    assert [p.name for p in (disk / "checkpoints_averaged").iterdir()] == ["40"]
+    # Evaluation split: 5 validation sentences (2 + 3), 6 test sentences (3 + 3).
+    assert f"Process {pid} of 2: {[2, 3][pid]} of the 5 validation sentences done here." in log
+    assert f"Process {pid} of 2: 3 of the 6 test sentences done here." in log
+
+  # Each disk alone decodes: the same (averaged) parameters in both ...
+  translators = [workdir_lib.load_translator(str(disk)) for disk in disks]
+  for a, b in zip(jax.tree.leaves(translators[0].params), jax.tree.leaves(translators[1].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # ... and the split evaluation is that of one process decoding everything.
+  config = train_worker.tiny_config(dict(SEPARATE, num_train_steps=40))
+  test_pairs = data.load_split(config.data, "test")
+  expected = translators[1].translate([s for s, _ in test_pairs], method="greedy")
+  assert len(set(expected)) > 1   # (distinct translations: the order is checked)
+  for disk in disks:
+    assert (disk / "test_translations.txt").read_text() == "".join(h + "\n" for h in expected)
+  bleu_pairs = data.load_split(config.data, "eval")[:5]
+  hypotheses = translators[1].translate([s for s, _ in bleu_pairs], method="greedy")
+  scores = metrics.translation_scores(hypotheses, [t for _, t in bleu_pairs])
+  records = [json.loads(line) for line in (disks[0] / "metrics.jsonl").read_text().splitlines()]
+  final = [r for r in records if r["split"] == "eval_averaged" and r["step"] == 40]
+  assert len(final) == 1
+  for name in ("bleu", "chrf", "exact_match", "length_ratio"):
+    assert final[0][name] == pytest.approx(scores[name], abs=1e-9), name
+  test_scores = metrics.translation_scores(expected, [t for _, t in test_pairs])
+  test_record = [r for r in records if r["split"] == "test" and r["step"] == 40]
+  assert test_record[0]["chrf"] == pytest.approx(test_scores["chrf"], abs=1e-9)
+
+  # FSDP state on separate disks would leave each with its own slices only:
+  # refused at the start, by both processes, naming the option.
+  results = train_py_processes(disks, dict(SEPARATE, num_train_steps=50, state_sharding="fsdp"),
+                               cache, check=False)
+  for (status, output), disk in zip(results, disks):
+    assert status != 0 and "state_sharding='fsdp' needs one workdir" in output, output[-3000:]
+    assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["20", "30", "40"]
+
+
+def test_a_slurm_job_step_starts_without_multihost_flags(tmp_path, tmp_path_factory):
+  """`srun -n 2 python train.py --workdir=...` on one node: no multi-host
+  flags; JAX's Slurm detection (the port from $JAX_COORDINATOR_PORT) finds
+  the other process. One shared workdir: orbax writes one checkpoint."""
+  cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  workdir = tmp_path / "run"
+  slurm = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
+           "SLURM_STEP_NUM_NODES": "1"}
+  outputs = train_py_processes([workdir, workdir], dict(num_train_steps=2, checkpoint_every=2),
+                               cache, flags=False, env=slurm)
+  for output in outputs:
+    assert "A slurm job of 2 processes: starting JAX's distributed runtime" in output
+    assert f"Trained 2 steps into {workdir}" in output
+  assert sorted(p.name for p in (workdir / "checkpoints" / "2" / "data_state").glob("*.json")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  meta = json.loads((workdir / "checkpoints" / "2" / "meta" / "metadata").read_text())
+  assert meta["process_count"] == 2
+  assert "Every process has a workdir of its own" not in read_log(workdir, 0)
+
