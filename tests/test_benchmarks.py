@@ -1,5 +1,6 @@
 """The benchmarks' measuring tools against hand-counted FLOPs."""
 
+import functools
 import os
 import sys
 
@@ -127,9 +128,10 @@ def test_collectives_finds_each_with_its_loop_and_bytes():
 # The train step on 8 devices (bfloat16 compute, float32 parameters), for 1 and
 # 4 micro-batches: per collective (all-reduce, reduce-scatter, all-gather), its
 # float32 bytes inside loops and outside; the parameters' float32 bytes; the
-# train state's bytes on one device. argv[1]: "replicated" or "fsdp" (the
-# trainer's step: training.jit_train_step), or "jit" (train_step under plain
-# jit, replicated: what the trainer did before shard_map).
+# train state's bytes on one device; for each mode: "replicated" and "fsdp" (the
+# trainer's step: training.jit_train_step), and "jit" (train_step under plain
+# jit, replicated: what the trainer did before shard_map). One process for all
+# three: JAX starts once.
 _STEP_COLLECTIVES = """
 import json, sys
 import jax, numpy as np
@@ -137,9 +139,8 @@ sys.path.insert(0, "tests")
 import train_worker
 from benchmarks import common
 from transformer import parallel, training
-mode = sys.argv[1]
 result = {}
-for accum in (1, 4):
+for mode, accum in [(m, a) for m in ("replicated", "fsdp", "jit") for a in (1, 4)]:
   config = train_worker.tiny_config({"grad_accum_steps": accum, "model.dtype": "bfloat16",
                                      "state_sharding": "fsdp" if mode == "fsdp" else "replicated"})
   model_config = training.model_config_from(config, 128)
@@ -162,19 +163,25 @@ for accum in (1, 4):
                sum(c["bytes"] for c in found if not c["in_loop"])]
   row["params"] = sum(4 * x.size for x in jax.tree_util.tree_leaves(state["params"]))
   row["state_bytes_per_device"] = parallel.bytes_per_device(state)
-  result[accum] = row
+  result.setdefault(mode, {})[accum] = row
 print(json.dumps(result))
 """
 
 
-def _step_collectives(mode: str) -> dict[int, dict]:
+@functools.lru_cache(maxsize=None)
+def _all_step_collectives() -> dict[str, dict[int, dict]]:
   import json
   import subprocess
   from helpers import REPO, subprocess_env
   env = subprocess_env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  out = subprocess.run([sys.executable, "-c", _STEP_COLLECTIVES, mode], env=env, cwd=REPO,
+  out = subprocess.run([sys.executable, "-c", _STEP_COLLECTIVES], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=300, check=True).stdout
-  return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
+  result = json.loads(out.strip().splitlines()[-1])
+  return {mode: {int(k): v for k, v in rows.items()} for mode, rows in result.items()}
+
+
+def _step_collectives(mode: str) -> dict[int, dict]:
+  return _all_step_collectives()[mode]
 
 
 def test_gradient_accumulation_reduces_the_gradients_once_per_update():
