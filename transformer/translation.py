@@ -28,7 +28,6 @@ results and `last_stats` into text (decode.py's output lines and stderr).
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Sequence
 
@@ -38,12 +37,10 @@ import numpy as np
 import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from transformer import attention_choice, decoding
+from transformer import decoding
 from transformer.kv_cache import init_cache, reorder_cache
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 METHODS = ("greedy", "beam", "sample")
 MIN_BUCKET = 8
@@ -150,7 +147,6 @@ class Translator:
     self.config = model_config
     self.tokenizer = tokenizer
     self.model = Transformer(model_config)
-    logger.info("Encoder: %s", attention_choice.attention_implementation_name(model_config))
     self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
     self.last_stats: dict[str, float] = {}
     self._compiled = {}  # the cross-attention function, jitted once
