@@ -24,6 +24,11 @@ Typical use (the trainer)::
     for local_batch in loader:                     # this process's rows only
         state, metrics = step(state, parallel.shard_batch(local_batch, mesh))
 
+(The trainer itself passes `mesh=` to `train_step`, which then computes the
+gradients per device in `shard_map` and reduces them once per update, and lays
+the state out with `state_shardings`: `training.init_train_state` /
+`training.jit_train_step`.)
+
 Multi-host: every process runs the same program, calls
 `maybe_initialize_distributed` first, and feeds its own shard of the data
 (`process_info()` tells the loader which one); `shard_batch` assembles the
