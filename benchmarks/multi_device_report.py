@@ -16,8 +16,8 @@ per config and state layout (`state_sharding` "replicated" / "fsdp"):
     `parallel.state_shardings`, as `parallel.bytes_per_device` reads them from
     a real state);
   * the largest uint32 array of the step (dropout's random bits) against one
-    device's share of the largest activation it masks: equal or smaller means
-    the masks are made where they are used;
+    device's share of a `[rows, length, d_model]` activation, what dropout
+    masks: no larger means each device makes only its own shard's masks;
   * the attention implementation of the training step on CPU, GPU (cuDNN-capable)
     and TPU, bfloat16 (`model.choose_attention_implementation`).
 """
@@ -105,10 +105,9 @@ def report_row(name: str, state_sharding: str, mesh) -> dict:
       lambda: model_lib.init_params(model_config, jax.random.key(0)))))
   row["state_bytes"] = state_bytes_per_device(config, model_config, mesh)
   row["largest_u32"] = largest_u32(hlo)
-  # dropout masks the attention-block and feed-forward outputs: [rows, length, d_model]
-  # and [rows, length, d_ff] inside; one device's share of the larger
-  row["activation_shard"] = ROWS // DEVICES * LENGTH * max(model_config.d_model,
-                                                           model_config.d_ff)
+  # dropout masks the embeddings and every sub-layer's output, [rows, length,
+  # d_model]: one device's share of one of them
+  row["activation_shard"] = ROWS // DEVICES * LENGTH * model_config.d_model
   row["attention"] = {backend: model_lib.choose_attention_implementation(
       model_config.attention_implementation, backend=backend, dtype=model_config.dtype,
       head_dim=model_config.head_dim, dropout=model_config.attention_dropout_rate > 0)
@@ -126,7 +125,7 @@ def format_table(rows: list[dict]) -> str:
       f"{LENGTH} tokens per update. Collectives: count / bytes / inside the accumulation loop.",
       "",
       "| config | state | all-reduce | reduce-scatter | all-gather | params + Adam per device"
-      " | largest RNG array / activation shard (elements) | attention CPU / GPU / TPU |",
+      " | largest RNG array / one device's activation (elements) | attention CPU / GPU / TPU |",
       "|---|---|---|---|---|---|---|---|",
   ]
   for r in rows:
