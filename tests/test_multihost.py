@@ -37,6 +37,7 @@ import train_worker  # noqa: E402  (no JAX import)
 from helpers import free_port, run_together, subprocess_env  # noqa: E402
 
 from transformer import data, metrics, multihost, training, workdir as workdir_lib  # noqa: E402
+from transformer import tokenizer as tokenizer_lib  # noqa: E402
 
 TIMEOUT_S = 240
 # Compiling is most of a short run: XLA's -O0 compiles several times faster.
@@ -123,7 +124,7 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
   workdir_lib.check_files(workdir)
   again = training.get_tokenizer(config, workdir, [])   # read back, not trained
   assert again.serialized_model() == tokenizer.serialized_model()
-  assert (workdir_lib.read_tokenizer(workdir_lib.vocab_path(workdir)).serialized_model()
+  assert (tokenizer_lib.load_tokenizer(workdir_lib.vocab_path(workdir)).serialized_model()
           == tokenizer.serialized_model())
 
   import tensorboardX

@@ -420,24 +420,32 @@ def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, refe
 # ----------------------------------------------------------------------------
 
 
+def train_on_devices(workdir, devices: int, overrides) -> dict:
+  """tests/train_worker.py on `devices` simulated CPU devices: its result."""
+  out = workdir.parent / f"{workdir.name}-{devices}.json"
+  run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
+               f"--overrides={json.dumps(overrides)}", f"--num_cpu_devices={devices}",
+               f"--out={out}"], subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS), TIMEOUT_S)
+  return json.loads(out.read_text())
+
+
+def assert_like_the_reference_at_step_8(workdir, ref_dir):
+  """The step-8 checkpoint and the step-5 losses of `workdir` are the
+  1-device reference's."""
+  assert_params_close(load_params(workdir, 8), load_params(ref_dir, 8), atol=1e-5)
+  run = {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
+  one = {r["step"]: r for r in read_metrics(ref_dir) if r["split"] == "train"}
+  for key in ("loss", "nll", "accuracy"):
+    np.testing.assert_allclose(run[5][key], one[5][key], rtol=1e-5, err_msg=key)
+
+
 def test_eight_devices_match_one_device(tmp_path, reference_run, compilation_cache):
   """Same config, same data: the step-8 checkpoint of an 8-device run equals the
   1-device reference's step-8 checkpoint, and so do the logged losses."""
   ref_dir, _ = reference_run
-  overrides = dict(REF, num_train_steps=8)
-  workdir = tmp_path / "eight"
-  out = tmp_path / "eight.json"
-  run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
-               f"--overrides={json.dumps(overrides)}", "--num_cpu_devices=8", f"--out={out}"],
-              subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS), TIMEOUT_S)
-  result = json.loads(out.read_text())
+  result = train_on_devices(tmp_path / "eight", 8, dict(REF, num_train_steps=8))
   assert result["device_count"] == 8 and result["step"] == 8
-
-  assert_params_close(load_params(workdir), load_params(ref_dir, 8), atol=1e-5)
-  eight = {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
-  one = {r["step"]: r for r in read_metrics(ref_dir) if r["split"] == "train"}
-  for key in ("loss", "nll", "accuracy"):
-    np.testing.assert_allclose(eight[5][key], one[5][key], rtol=1e-5, err_msg=key)
+  assert_like_the_reference_at_step_8(tmp_path / "eight", ref_dir)
 
 
 def test_fsdp_on_eight_devices_matches_one_device_and_resumes_on_two(
@@ -447,24 +455,12 @@ def test_fsdp_on_eight_devices_matches_one_device_and_resumes_on_two(
   devices (replicated), steps 9-16 land on the reference's step 16."""
   ref_dir, _ = reference_run
   workdir = tmp_path / "fsdp"
-
-  def run(devices, steps, sharding):
-    out = tmp_path / f"{devices}.json"
-    overrides = dict(REF, num_train_steps=steps, state_sharding=sharding)
-    run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
-                 f"--overrides={json.dumps(overrides)}", f"--num_cpu_devices={devices}",
-                 f"--out={out}"], subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS), TIMEOUT_S)
-    return json.loads(out.read_text())
-
-  result = run(8, 8, "fsdp")
+  result = train_on_devices(workdir, 8, dict(REF, num_train_steps=8, state_sharding="fsdp"))
   assert result["device_count"] == 8 and result["step"] == 8
-  assert_params_close(load_params(workdir), load_params(ref_dir, 8), atol=1e-5)
-  fsdp = {r["step"]: r for r in read_metrics(workdir) if r["split"] == "train"}
-  one = {r["step"]: r for r in read_metrics(ref_dir) if r["split"] == "train"}
-  for key in ("loss", "nll", "accuracy"):
-    np.testing.assert_allclose(fsdp[5][key], one[5][key], rtol=1e-5, err_msg=key)
+  assert_like_the_reference_at_step_8(workdir, ref_dir)
 
-  result = run(2, 16, "replicated")
+  result = train_on_devices(workdir, 2, dict(REF, num_train_steps=16,
+                                             state_sharding="replicated"))
   assert result["device_count"] == 2 and result["step"] == 16
   train_steps = [r["step"] for r in read_metrics(workdir) if r["split"] == "train"]
   assert train_steps == [5, 8, 10, 15, 16], train_steps  # resumed at 8, not from 0

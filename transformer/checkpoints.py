@@ -44,9 +44,9 @@ alone (orbax's local-checkpoint setting: no primary host, every array written
 from this process's own copy), so that each can resume, average and decode from
 its disk. Before anything else the processes keep only the steps they all have
 (a step one of them finished and another did not, killed in between, is
-removed), so that all resume from the same step. Arrays sharded over processes
-(not replicated) are written as this process's slices only: such a workdir
-resumes with the same processes and devices.
+removed), so that all resume from the same step. The state must be
+replicated: one sharded over the processes (FSDP) would leave each disk only
+its own slices, and the trainer refuses that combination at its start.
 """
 
 from __future__ import annotations
@@ -324,7 +324,6 @@ class Checkpointer:
     self._failed = False                   # a save failed: close() only releases
     self._measured: tuple[int, int] | None = None   # (step, its bytes on disk)
     self._state_bytes = 0                  # the arrays of the last state saved
-    self._told_sharded = False             # (per_process: warned of a sharded state)
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.AnySavePolicy([
@@ -416,13 +415,6 @@ class Checkpointer:
         META_ITEM: ocp.args.JsonSave(meta),
     })
     self._state_bytes = tree_bytes(state)
-    if self.per_process and not self._told_sharded and any(
-        isinstance(x, jax.Array) and not x.is_fully_replicated for x in jax.tree.leaves(state)):
-      self._told_sharded = True
-      logger.warning("The train state is sharded over the processes and each writes its own "
-                     "workdir: each checkpoint there holds this process's slices only; it "
-                     "resumes with the same processes and devices, and decoding needs the "
-                     "slices of all of them (a shared workdir has them).")
     if self.check_space and (force or self._manager.should_save(step)):
       self.wait()   # (orbax's save waits for the previous one first anyway)
       self._check_space(step)

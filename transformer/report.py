@@ -13,7 +13,6 @@ import time
 
 from transformer import metrics as metrics_lib
 from transformer import multihost, plotting
-from transformer.text_io import write_lines
 
 TEST_TRANSLATIONS_FILE = "test_translations.txt"
 CURVES_FILE = "curves.png"
@@ -36,10 +35,7 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
       sources, what="test sentences")
   seconds = time.perf_counter() - start
   path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
-  if multihost.is_local(path):
-    write_lines(hypotheses, path)
-  else:
-    multihost.write_file(path, "".join(line + "\n" for line in hypotheses))
+  multihost.write_file(path, "".join(line + "\n" for line in hypotheses))
   scores = metrics_lib.translation_scores(hypotheses, references)
   scores.update(sentences=float(len(pairs)), seconds=seconds)
   return scores

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import io
 import itertools
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from etils import epath
 
 from transformer.text_io import write_atomically
 
@@ -207,20 +207,21 @@ def train_tokenizer(
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
-  """Loads a model written by `train_tokenizer`.
+  """Loads a model written by `train_tokenizer`, from a local path or an
+  address such as gs://bucket/run/vocab.model (read through etils.epath).
 
   Raises:
     FileNotFoundError: `model_path` does not exist (train first: `python
       train.py --workdir=...` writes `<workdir>/vocab.model`).
   """
-  if not os.path.exists(model_path):
+  path = epath.Path(model_path)
+  if not path.exists():
     raise FileNotFoundError(
         f"No SentencePiece vocabulary at {model_path}. Train first: "
         "`python train.py --workdir=<dir>` writes <dir>/vocab.model, or call "
         "transformer.tokenizer.train_tokenizer(...)."
     )
-  with open(model_path, "rb") as f:
-    proto = f.read()
+  proto = path.read_bytes()
   try:
     return Tokenizer(proto, model_path=model_path)
   except RuntimeError as e:

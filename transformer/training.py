@@ -313,7 +313,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
       if config.get("vocab_path"):
         model = tokenizer_lib.load_tokenizer(config.vocab_path).serialized_model()
       elif epath.Path(path).exists():
-        model = workdir_lib.read_tokenizer(path).serialized_model()
+        model = tokenizer_lib.load_tokenizer(path).serialized_model()
       else:
         logger.info("Training a SentencePiece vocabulary of %d pieces -> %s",
                     config.vocab_size, path)

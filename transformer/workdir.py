@@ -56,7 +56,7 @@ from etils import epath
 
 from transformer import averaging, checkpoints, multihost
 from transformer.model import TransformerConfig, init_params
-from transformer.tokenizer import Tokenizer, load_tokenizer
+from transformer.tokenizer import load_tokenizer
 from transformer.translation import OptionError, Translator
 
 CONFIG_FILE = "config.json"
@@ -160,13 +160,6 @@ def vocab_path(workdir: str) -> str:
   also = f" (nor the config's vocab_path {configured})" if configured else ""
   raise FileNotFoundError(f"{path} not found{also}: the vocabulary is missing; "
                           f"{_train_hint(workdir)} (it writes {VOCAB_FILE} first)")
-
-
-def read_tokenizer(path: str) -> Tokenizer:
-  """`tokenizer.load_tokenizer(path)`, for a local path or an address (gs://...)."""
-  if multihost.is_local(path):
-    return load_tokenizer(path)
-  return Tokenizer(epath.Path(path).read_bytes(), model_path=path)
 
 
 def check_files(workdir: str) -> None:
@@ -512,7 +505,7 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   which = resolve_checkpoint(workdir, checkpoint)
   workdir = str(multihost.resolve(workdir))  # orbax restores only from absolute paths
   model_config = load_model_config(workdir)
-  tokenizer = read_tokenizer(vocab_path(workdir))
+  tokenizer = load_tokenizer(vocab_path(workdir))
   target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
   try:
     params, info = averaging.load_params(workdir, target, which=which, with_info=True)
