@@ -39,7 +39,11 @@ import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
-from transformer import text_io, translation, workdir as workdir_lib
+from transformer.data import text_io
+from transformer.decoding import translator as translation
+from transformer.runtime import workdir as workdir_lib
+from transformer.runtime import errors
+from transformer.decoding import loader
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "
@@ -126,7 +130,7 @@ def check_flags() -> None:
   try:
     translation.check_options(**translate_options())
     workdir_lib.checkpoint_choice(_CHECKPOINT.value)
-  except translation.OptionError as e:
+  except errors.OptionError as e:
     raise UsageError(flag_error(e)) from None
 
 
@@ -173,7 +177,7 @@ def load_translator(workdir: str, which: str | int):
   """(Translator, a description of its checkpoint); WorkdirError if a file
   of the workdir cannot be read."""
   try:
-    translator, info = workdir_lib.load_translator(workdir, which, with_info=True)
+    translator, info = loader.load_translator(workdir, which, with_info=True)
   except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
   if info["kind"] == "averaged":
@@ -214,7 +218,7 @@ def run() -> None:
 
   plots = None
   if plot_dir:
-    from transformer import plotting  # (matplotlib: only when asked for)
+    from transformer.plotting import figures as plotting  # (matplotlib: only when asked for)
     best = results if n_best == 1 else [hyps[0][0] for hyps in results]
     plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
                                                 progress=not quiet)
@@ -232,7 +236,7 @@ def main(argv) -> int:
     return 2
   # orbax logs at INFO; keep stderr for the progress bar and the summary.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  from transformer import compile_cache
+  from transformer.runtime import compile_cache
   compile_cache.enable(_COMPILATION_CACHE.value)
   try:
     run()
@@ -246,6 +250,6 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # before any computation: see host_memory.py
   app.run(main)

@@ -18,6 +18,7 @@ import traceback
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
+from transformer.runtime import run_lock, run_log
 
 
 def _exit_if_unknown_config_field(error: Exception) -> None:
@@ -73,13 +74,14 @@ def _no_library_errors(record: logging.LogRecord) -> bool:
 def _user_error_message(error: Exception, workdir: str) -> str | None:
   """The console's message for an error a user can meet and fix (its words
   say what to do); None for anything else, a bug."""
-  from transformer import disk_space, training
-  from transformer import workdir as workdir_lib
+  from transformer.runtime import disk_space
+  from transformer.training import loop as training
+  from transformer.runtime import workdir as workdir_lib
   if not isinstance(error, disk_space.DiskFullError) and disk_space.is_disk_full(error):
     return (f"the disk is full ({error}). Free space on the disk of {workdir}, then run "
             "the same command again: training resumes from its last checkpoint.")
   expected = (ValueError, FileNotFoundError, training.TrainingDiverged,
-              workdir_lib.WorkdirLocked, disk_space.DiskFullError)
+              run_lock.WorkdirLocked, disk_space.DiskFullError)
   if isinstance(error, expected):
     return str(error)
   if isinstance(error, OSError) and error.filename:  # e.g. a workdir that cannot be made
@@ -91,9 +93,9 @@ def _user_error_message(error: Exception, workdir: str) -> str | None:
 def _report_bug(error: Exception, workdir: str) -> str:
   """The console's message for a bug: where its traceback is, or, when the
   run failed before writing its log, the traceback itself (printed here)."""
-  from transformer import multihost
-  from transformer import workdir as workdir_lib
-  log = workdir_lib.log_path(str(multihost.resolve(workdir)))
+  from transformer.runtime import multihost
+  from transformer.runtime import workdir as workdir_lib
+  log = run_log.log_path(str(multihost.resolve(workdir)))
   if os.path.exists(log):
     where = f"; the full traceback is in {log}"
   else:
@@ -110,7 +112,8 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from transformer import multihost, parallel
+  from transformer.runtime import multihost
+  from transformer.runtime import parallel
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("transformer").setLevel(logging.INFO)
@@ -122,7 +125,8 @@ def main(argv):
         "(--num_processes=1 runs this process alone).", *cluster)
   parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
                                         _PROCESS_ID.value, auto_detect=cluster is not None)
-  from transformer import compile_cache, training
+  from transformer.runtime import compile_cache
+  from transformer.training import loop as training
 
   compile_cache.enable(_COMPILATION_CACHE.value)
   absl_logging.get_absl_handler().addFilter(_no_library_errors)
@@ -151,7 +155,7 @@ def main(argv):
                 f"exact match {ev['exact_match']:.1%}")
   print(summary)
   if result.test:
-    from transformer import report
+    from transformer.training import report
     print(report.format_test(result.test, _CONFIG.value.get("test_decode_method", "beam"))
           + f"; translations in {os.path.join(result.workdir, report.TEST_TRANSLATIONS_FILE)}")
   for warning in result.warnings:
@@ -172,6 +176,6 @@ def _parse_flags(argv):
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # before any computation: see host_memory.py
   app.run(lambda argv: sys.exit(main(argv)), flags_parser=_parse_flags)

@@ -62,7 +62,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import bench_decode, bench_train, common
-from transformer import flops, kv_cache, layers, model as model_lib, parallel, prng
+from transformer.training import flops
+from transformer.model import kv_cache
+from transformer.model import layers
+from transformer.model import transformer as model_lib
+from transformer.runtime import parallel
+from transformer.model import prng
 
 # Tolerances on the error (max |got - ref| / max |ref|). float32 paths differ
 # from their references only in the order of float32 sums (~1e-7 measured on
@@ -503,6 +508,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
   sys.exit(main())

@@ -30,8 +30,9 @@ import jax
 import numpy as np
 
 from benchmarks import common
-from transformer import kv_cache, model as model_lib
-from transformer.translation import Translator
+from transformer.model import kv_cache
+from transformer.model import transformer as model_lib
+from transformer.decoding.translator import Translator
 
 NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
 
@@ -111,8 +112,8 @@ def matmul_floor(shape: str, rows: int):
 
 
 def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
-  from transformer import demo_task
-  from transformer.workdir import load_translator
+  from transformer.data import demo_task
+  from transformer.runtime.workdir import load_translator
   translator = load_translator(workdir)
   sources = [s for s, _ in demo_task.demo_splits()["test"]]
   times = {}
@@ -199,6 +200,6 @@ def main():
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
   main()

@@ -27,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer import decoding
+from transformer.decoding import search as decoding
 
 
 def make_toy_decoder(*, vocab, d_model, max_len, eos_id, finish_at, seed=0,
@@ -144,6 +144,6 @@ def main():
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
   main()

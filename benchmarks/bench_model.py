@@ -42,7 +42,7 @@ import optax
 import common
 
 SIZES = (1024, 2048, 4096)  # matmul peak sizes (common.measure_matmul_peak's default)
-from transformer.model import Transformer, count_params, init_params, shift_right
+from transformer.model.transformer import Transformer, count_params, init_params, shift_right
 
 
 def make_loss(config):
@@ -200,6 +200,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
   main()

@@ -30,7 +30,8 @@ import ml_collections
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks import common
-from transformer import parallel, training
+from transformer.runtime import parallel
+from transformer.training import loop as training
 
 
 def optimizer_config(warmup_steps=4000):
@@ -155,6 +156,6 @@ def main():
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
   main()

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jax_core
 
-from transformer.flops import (forward_flops, matmul_rate, matmul_weights,  # noqa: F401
+from transformer.training.flops import (forward_flops, matmul_rate, matmul_weights,  # noqa: F401
                                training_flops_per_step)
-from transformer.model import TransformerConfig
+from transformer.model.transformer import TransformerConfig
 
 
 # ----------------------------------------------------------------------------

@@ -69,6 +69,6 @@ def main():
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py does, before any computation
   main()

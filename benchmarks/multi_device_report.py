@@ -43,7 +43,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from transformer import model as model_lib, parallel, training  # noqa: E402
+from transformer.model import transformer as model_lib
+from transformer.runtime import parallel
+from transformer.training import loop as training  # noqa: E402
 
 CONFIGS = ("default", "small_corpus", "wmt14_base", "wmt14_big")
 ROWS, LENGTH, MICRO_BATCHES = 16, 64, 2

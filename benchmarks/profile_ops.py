@@ -159,6 +159,6 @@ def print_timeline(intervals, labels):
 
 
 if __name__ == "__main__":
-  from transformer import host_memory
+  from transformer.runtime import host_memory
   host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
   main()

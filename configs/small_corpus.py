@@ -28,7 +28,7 @@ software messages, 2 CPU cores; README "Your own corpus"):
   * the average of the last 5 checkpoints (100 steps apart) as the final model.
 """
 
-from configs import default
+from transformer.configs import default
 
 
 def get_config():

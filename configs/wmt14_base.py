@@ -13,7 +13,7 @@ batch_size x grad_accum_steps at 96 (e.g. --config.batch_size=24
 --config.grad_accum_steps=4).
 """
 
-from configs import default
+from transformer.configs import default
 
 
 def get_config():

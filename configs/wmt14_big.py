@@ -6,7 +6,7 @@ d_model 1024, 16 heads, d_ff 4096, dropout 0.3, 300k steps, average of the
 last 20 checkpoints. See configs/wmt14_base.py for data preparation.
 """
 
-from configs import wmt14_base
+from transformer.configs import wmt14_base
 
 
 def get_config():

@@ -44,7 +44,7 @@ def init_params():
 def make_sgd_step(mesh):
   import jax
   import jax.numpy as jnp
-  from transformer import parallel
+  from transformer.runtime import parallel
 
   def loss_fn(params, batch):
     pred = batch["x"] @ params["w"] + params["b"]
@@ -62,7 +62,7 @@ def make_sgd_step(mesh):
 
 def run_sgd(mesh, local_batch):
   import numpy as np
-  from transformer import parallel
+  from transformer.runtime import parallel
   params = parallel.replicate(init_params(), mesh)
   step = make_sgd_step(mesh)
   losses = []
@@ -78,7 +78,8 @@ def save_and_restore(workdir, mesh, params, pid):
   restores it from a fresh Checkpointer."""
   import jax
   import numpy as np
-  from transformer import checkpoints, parallel
+  from transformer.runtime import checkpoints
+  from transformer.runtime import parallel
   state = parallel.replicate({"params": {k: np.asarray(v, np.float32) for k, v in params.items()},
                               "step": np.int32(SGD_STEPS)}, mesh)
   with checkpoints.Checkpointer(workdir, keep=2) as ckpt:
@@ -106,7 +107,7 @@ def main():
                       help="also save + restore a checkpoint of the params here")
   args = parser.parse_args()
 
-  from transformer import parallel
+  from transformer.runtime import parallel
   if args.num_processes > 1:
     ok = parallel.maybe_initialize_distributed(
         coordinator_address=f"127.0.0.1:{args.port}",

@@ -26,9 +26,11 @@ import numpy as np
 import pytest
 
 import transformer
-from transformer import demo_task, training, translation
-from transformer import workdir as workdir_lib
-from transformer.tokenizer import UNK_ID
+from transformer.data import demo_task
+from transformer.training import loop as training
+from transformer.decoding import translator as translation
+from transformer.runtime import workdir as workdir_lib
+from transformer.data.tokenizer import UNK_ID
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -177,7 +179,7 @@ def test_translator_keeps_order_count_and_empty_lines(run_example):
 def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_example):
   """Training's evaluation keeps one Translator and swaps in new parameters."""
   import jax
-  from transformer.translation import Translator
+  from transformer.decoding.translator import Translator
   namespace, _ = run_example(API_EXAMPLE)
   translator = namespace["translator"]
   sentences = ["forty-two red apples", "one small cat", "seven new cars"]

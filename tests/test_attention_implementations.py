@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import attention_choice, model as M
+from transformer.model import attention_choice
+from transformer.model import transformer as M
 
 TINY = dict(vocab_size=40, d_model=32, num_heads=4, d_ff=64,
             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)

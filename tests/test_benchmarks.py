@@ -42,7 +42,7 @@ def test_matmuls_alone_finds_every_matmul_of_forward_backward_and_scans():
 def test_training_flop_model_counts_the_step_matmuls():
   """The closed-form FLOP model of `common.training_flops_per_step` equals the
   FLOPs of the dot_generals the real training step performs."""
-  from transformer import model as M
+  from transformer.model import transformer as M
   config = M.TransformerConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=48,
                                num_encoder_layers=2, num_decoder_layers=1,
                                dropout_rate=0.0)
@@ -84,7 +84,7 @@ def test_program_hash_ignores_where_the_code_lives_but_not_what_it_computes():
 
 
 def test_rated_peaks_by_device_kind():
-  from transformer import flops
+  from transformer.training import flops
 
   class Device:
     def __init__(self, platform, kind):
@@ -138,7 +138,8 @@ import jax, numpy as np
 sys.path.insert(0, "tests")
 import train_worker
 from benchmarks import common
-from transformer import parallel, training
+from transformer.runtime import parallel
+from transformer.training import loop as training
 result = {}
 for mode, accum in [("replicated", 1), ("replicated", 4), ("fsdp", 4), ("jit", 4)]:
   config = train_worker.tiny_config({"grad_accum_steps": accum, "model.dtype": "bfloat16",
@@ -250,7 +251,7 @@ def test_accelerator_check_fails_a_wrong_attention():
   bfloat16 tolerance alike, where the einsums on the same inputs PASS."""
   import math
   from benchmarks import accelerator_check as check
-  from transformer import model as M
+  from transformer.model import transformer as M
   inputs = check.attention_inputs(batch=4, length=16, heads=2, head_dim=16)
   unscaled = lambda q, k, v, mask: check.reference_attention(
       q * math.sqrt(q.shape[-1]), k, v, mask)

@@ -18,7 +18,9 @@ import numpy as np
 import optax
 import pytest
 
-from transformer import averaging, checkpoints, disk_space
+from transformer.runtime import averaging
+from transformer.runtime import checkpoints
+from transformer.runtime import disk_space
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -196,7 +198,7 @@ def test_average_of_three_checkpoints(tmp_path):
 KILL_WRITER = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp
-    from transformer import checkpoints
+    from transformer.runtime import checkpoints
     workdir = sys.argv[1]
     ckpt = checkpoints.Checkpointer(workdir, keep=2)
     step = ckpt.latest_step() or 0          # resume numbering after a kill

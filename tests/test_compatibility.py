@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import transformer
-from transformer import model as M
+from transformer.model import transformer as M
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 WORKDIR = os.path.join(FIXTURES, "workdir_d26a6fb")

@@ -13,10 +13,10 @@ import ml_collections
 import numpy as np
 import pytest
 
-from transformer import data
-from transformer import tokenizer as tokenizer_lib
-from transformer.demo_task import demo_splits
-from transformer.tokenizer import EOS_ID, PAD_ID
+from transformer.data import pipeline as data
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.demo_task import demo_splits
+from transformer.data.tokenizer import EOS_ID, PAD_ID
 
 KEYS = {"inputs", "targets", "inputs_segment_ids", "targets_segment_ids",
         "inputs_positions", "targets_positions"}
@@ -372,7 +372,7 @@ def test_process_exits_cleanly_with_a_live_iterator(tok):
   # A prefetch thread still running at exit used to abort the interpreter
   # (exit status 134) after training had finished.
   script = "\n".join([
-      "from transformer import data, demo_task, tokenizer",
+      "from transformer.data import demo_task, pipeline as data, tokenizer",
       f"tok = tokenizer.load_tokenizer({tok.model_path!r})",
       "pairs = demo_task.demo_splits(0, num_train=200, num_eval=1, num_test=1)['train']",
       "it = data.train_iterator(pairs, tok, batch_size=8, max_length=32, seed=0)",

@@ -49,7 +49,7 @@ def _text(lines, final_newline=True):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  from transformer import training
+  from transformer.training import loop as training
 
   spec = importlib.util.spec_from_file_location(
       "demo_config", os.path.join(ROOT, "configs", "default.py"))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import decoding
+from transformer.decoding import search as decoding
 
 try:
   from scipy import stats

@@ -8,7 +8,7 @@ import sys
 import pytest
 import sacrebleu
 
-from transformer import demo_task
+from transformer.data import demo_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -4,8 +4,9 @@ import collections
 
 import pytest
 
-from transformer import data, demo_task
-from transformer import tokenizer as tokenizer_lib
+from transformer.data import pipeline as data
+from transformer.data import demo_task
+from transformer.data import tokenizer as tokenizer_lib
 
 
 @pytest.fixture(scope="module")

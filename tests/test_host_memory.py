@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from transformer import host_memory
+from transformer.runtime import host_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the faults or fewer, not none.)
 _PROBE = """
 import resource, sys, time
-from transformer import host_memory
+from transformer.runtime import host_memory
 applied = host_memory.keep_freed_memory() if sys.argv[1] == "on" else False
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: jnp.sum((x * 2.0).T @ w))
@@ -69,7 +69,7 @@ def test_keep_freed_memory_can_be_turned_off(monkeypatch):
 # it used before (the control: trimmed).
 _TRIM_PROBE = """
 import ctypes, ctypes.util, sys
-from transformer import host_memory
+from transformer.runtime import host_memory
 if sys.argv[1] == "int_max":
   host_memory._SETTINGS = tuple((o, 2**31 - 1 if o == host_memory._M_TRIM_THRESHOLD else v)
                                 for o, v in host_memory._SETTINGS)

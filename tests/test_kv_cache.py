@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import kv_cache
+from transformer.model import kv_cache
 
 
 def np_attention(q, k, v):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import layers as L
+from transformer.model import layers as L
 
 
 def test_tied_output_projection_gradients_match_numpy():

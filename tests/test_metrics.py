@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from transformer import metrics
+from transformer.training import metrics
 
 
 def test_translation_scores_against_the_formulas():

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import kv_cache, model as M
+from transformer.model import kv_cache
+from transformer.model import transformer as M
 
 TINY = dict(vocab_size=40, d_model=32, num_heads=4, d_ff=64,
             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
@@ -335,8 +336,8 @@ def test_beam_search_with_in_place_cache_equals_full_forward_search():
   """The decoder's beam cache never moves keys/values (beams attend through the
   ancestry table): the search must equal one that re-runs the full forward
   pass over each hypothesis' tokens, reordered by the generic gather."""
-  from transformer import decoding
-  from transformer.translation import Translator
+  from transformer.decoding import search as decoding
+  from transformer.decoding.translator import Translator
   # Pre-LN and larger random weights: hypotheses that differ, so beams are
   # reordered (at initialisation a post-LN model says nearly the same thing
   # whatever the input and history).

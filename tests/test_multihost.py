@@ -36,8 +36,14 @@ sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
 from helpers import free_port, run_together, subprocess_env  # noqa: E402
 
-from transformer import data, metrics, multihost, training, workdir as workdir_lib  # noqa: E402
-from transformer import tokenizer as tokenizer_lib  # noqa: E402
+from transformer.data import pipeline as data
+from transformer.training import metrics
+from transformer.runtime import multihost
+from transformer.training import loop as training
+from transformer.runtime import workdir as workdir_lib  # noqa: E402
+from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
+from transformer.runtime import run_lock, run_log
+from transformer.decoding import loader
 
 TIMEOUT_S = 240
 # Compiling is most of a short run: XLA's -O0 compiles several times faster.
@@ -107,7 +113,7 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
   train_pairs = data.load_split(config.data, "train")
   workdir = str(multihost.resolve("gs://bucket/run"))
   with caplog.at_level(logging.INFO, logger="transformer"):
-    with workdir_lib.hold(workdir), workdir_lib.run_log(workdir) as log:
+    with run_lock.hold(workdir), run_log.run_log(workdir) as log:
       tokenizer = training.get_tokenizer(config, workdir, train_pairs)
   assert log is None
   assert "cannot be locked" in caplog.text and "logging to the console only" in caplog.text
@@ -278,7 +284,7 @@ def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path
     assert f"Process {pid} of 2: 3 of the 6 test sentences done here." in log
 
   # Each disk alone decodes: the same (averaged) parameters in both ...
-  translators = [workdir_lib.load_translator(str(disk)) for disk in disks]
+  translators = [loader.load_translator(str(disk)) for disk in disks]
   for a, b in zip(jax.tree.leaves(translators[0].params), jax.tree.leaves(translators[1].params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # ... and the split evaluation is that of one process decoding everything.

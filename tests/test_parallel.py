@@ -42,7 +42,7 @@ EIGHT_DEVICE_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np
     import jax, jax.numpy as jnp
-    from transformer import parallel
+    from transformer.runtime import parallel
     import multiprocess_worker as mw
 
     out = {}
@@ -150,7 +150,7 @@ def test_two_processes_on_localhost(tmp_path):
 
 
 def test_initialize_is_a_noop_without_configuration(monkeypatch):
-  from transformer import parallel
+  from transformer.runtime import parallel
   for var in (parallel.ENV_COORDINATOR_ADDRESS, parallel.ENV_NUM_PROCESSES,
               parallel.ENV_PROCESS_ID):
     monkeypatch.delenv(var, raising=False)
@@ -159,7 +159,7 @@ def test_initialize_is_a_noop_without_configuration(monkeypatch):
 
 
 def test_initialize_names_missing_settings(monkeypatch):
-  from transformer import parallel
+  from transformer.runtime import parallel
   for var in (parallel.ENV_COORDINATOR_ADDRESS, parallel.ENV_PROCESS_ID):
     monkeypatch.delenv(var, raising=False)
   monkeypatch.setenv(parallel.ENV_NUM_PROCESSES, "2")
@@ -172,7 +172,7 @@ def test_initialize_names_missing_settings(monkeypatch):
 
 def test_fsdp_spec_splits_the_largest_divisible_axis():
   from jax.sharding import PartitionSpec as P
-  from transformer import parallel
+  from transformer.runtime import parallel
   assert parallel.fsdp_spec((512, 2048), 8) == P(None, "data")
   assert parallel.fsdp_spec((2048, 512), 8) == P("data", None)
   assert parallel.fsdp_spec((512, 8, 64), 8) == P("data", None, None)
@@ -185,7 +185,7 @@ def test_fsdp_spec_splits_the_largest_divisible_axis():
 
 def test_state_shardings_names_the_option_when_unknown():
   import jax
-  from transformer import parallel
+  from transformer.runtime import parallel
   mesh = parallel.make_mesh(jax.devices()[:1])
   with pytest.raises(ValueError, match="state_sharding='zero'"):
     parallel.state_shardings({"w": np.zeros(4)}, mesh, "zero")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from transformer import plotting
+from transformer.plotting import figures as plotting
 
 SRC = ["▁one", "▁red", "▁cat", "</s>"]
 TGT = ["▁eine", "▁rote", "▁Katze", "▁", "</s>"]
@@ -113,7 +113,7 @@ def test_plot_positional_encoding_is_the_papers_formula():
 
 
 def test_plot_attention_mask_causal():
-  from transformer.model import attention_mask
+  from transformer.model.transformer import attention_mask
   import jax.numpy as jnp
 
   segments = jnp.ones((1, 5), jnp.int32)

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer import layers, prng
+from transformer.model import layers
+from transformer.model import prng
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (4, 33, 17), (2, 1, 3, 1)])
@@ -103,7 +104,7 @@ _SHARDED_DROPOUT = """
 import re, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from transformer import prng
+from transformer.model import prng
 sharding = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P("data"))
 x = jax.device_put(jnp.arange(256 * 128 * 512, dtype=jnp.float32).reshape(256, 128, 512),
                    sharding)
@@ -148,7 +149,8 @@ def test_dropout_of_a_sharded_batch_stays_per_shard():
 _SHARD_MAP_DROPOUT = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
-from transformer import parallel, prng
+from transformer.runtime import parallel
+from transformer.model import prng
 mesh = parallel.make_mesh()
 x = jnp.arange(1, 64 * 8 * 16 + 1, dtype=jnp.float32).reshape(64, 8, 16)
 key = jax.random.key(3)

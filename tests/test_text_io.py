@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from transformer import text_io
-from transformer.text_io import NotUtf8Error, TextFileError, write_atomically
+from transformer.data import text_io
+from transformer.data.text_io import NotUtf8Error, TextFileError, write_atomically
 
 # ----------------------------------------------------------------------------
 # Reading lines

@@ -5,8 +5,8 @@ import pickle
 import numpy as np
 import pytest
 
-from transformer import tokenizer as tokenizer_lib
-from transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 
 def _corpus(n=400, seed=0):

@@ -149,10 +149,10 @@ def copy_of(trained, tmp_path) -> Path:
 def test_a_second_run_on_a_held_workdir_stops_at_once(tmp_path):
   """Two runs on one workdir: the second stops before writing anything,
   naming the holder (here this test process, holding the lock)."""
-  from transformer import workdir as workdir_lib
+  from transformer.runtime import run_lock, workdir as workdir_lib
   workdir = tmp_path / "run"
   workdir.mkdir()
-  with workdir_lib.hold(str(workdir)):
+  with run_lock.hold(str(workdir)):
     proc = train_py([f"--workdir={workdir}", "--quiet", *tiny_flags()], env_for())
   error = one_error_line(proc)
   assert f"workdir {workdir} is in use by another training run" in error
@@ -195,7 +195,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_line(trained, tmp_path):
 
 FAIL_AFTER_A_SAVE = """
 import runpy, sys
-from transformer import checkpoints
+from transformer.runtime import checkpoints
 save = checkpoints.Checkpointer.save
 def save_then_fail(self, *args, **kwargs):
   if save(self, *args, **kwargs):
@@ -236,7 +236,7 @@ def test_a_workdir_that_cannot_be_made_is_one_line_naming_it(tmp_path):
 
 FAIL_BEFORE_THE_WORKDIR = """
 import runpy, sys
-from transformer import training
+from transformer.training import loop as training
 def fail(*args, **kwargs):
   raise RuntimeError("injected before the workdir exists")
 training.train_and_evaluate = fail

@@ -39,11 +39,16 @@ sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
 from helpers import free_port, run_checked, run_together, subprocess_env  # noqa: E402
 
-from transformer import averaging, checkpoints, data, stall, training  # noqa: E402
-from transformer import time_budget  # noqa: E402
-from transformer import tokenizer as tokenizer_lib  # noqa: E402
-from transformer import workdir as workdir_lib  # noqa: E402
-from transformer.model import init_params  # noqa: E402
+from transformer.runtime import averaging
+from transformer.runtime import checkpoints
+from transformer.data import pipeline as data
+from transformer.training import stall
+from transformer.training import loop as training  # noqa: E402
+from transformer.training import time_budget  # noqa: E402
+from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
+from transformer.runtime import workdir as workdir_lib  # noqa: E402
+from transformer.model.transformer import init_params  # noqa: E402
+from transformer.runtime import run_lock
 
 WORKER = REPO / "tests" / "train_worker.py"
 TIMEOUT_S = 180
@@ -389,8 +394,8 @@ def test_bad_configs_fail_before_training(tmp_path):
 
 def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
   """The Python API takes the workdir's lock too (train.py: test_train_cli.py)."""
-  with workdir_lib.hold(str(tmp_path)):
-    with pytest.raises(workdir_lib.WorkdirLocked, match=f"PID {os.getpid()} on host"):
+  with run_lock.hold(str(tmp_path)):
+    with pytest.raises(run_lock.WorkdirLocked, match=f"PID {os.getpid()} on host"):
       train(tmp_path, REF)
   assert [p.name for p in tmp_path.iterdir()] == [workdir_lib.LOCK_FILE]
 
@@ -411,7 +416,7 @@ def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, refe
   assert info.value.differences == [("batch_size", 16, 32), ("model.d_model", 32, 64)]
   log = (tmp_path / workdir_lib.LOG_FILE).read_text()
   assert "run stopped by ConfigMismatch" in log and "Traceback" in log
-  with workdir_lib.hold(str(tmp_path)):   # (released)
+  with run_lock.hold(str(tmp_path)):   # (released)
     pass
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transformer import translation
+from transformer.decoding import translator as translation
+from transformer.runtime import errors
 
 
 @pytest.mark.parametrize("options,option", [
@@ -27,7 +28,7 @@ from transformer import translation
     (dict(batch_size=0), "batch_size"),
 ])
 def test_check_options_names_the_option_and_its_value(options, option):
-  with pytest.raises(translation.OptionError) as info:
+  with pytest.raises(errors.OptionError) as info:
     translation.check_options(**options)
   error = info.value
   assert isinstance(error, ValueError)

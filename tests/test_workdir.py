@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from transformer import checkpoints, workdir
-from transformer.model import TransformerConfig
-from transformer.translation import OptionError
+from transformer.runtime import checkpoints
+from transformer.runtime import run_lock, workdir
+from transformer.model.transformer import TransformerConfig
+from transformer.runtime.errors import OptionError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import free_port, run_together, subprocess_env  # noqa: E402
@@ -111,25 +112,25 @@ def test_resolve_checkpoint(tmp_path):
 
 
 def test_a_held_workdir_refuses_a_second_holder_naming_the_first(tmp_path):
-  with workdir.hold(str(tmp_path)):
+  with run_lock.hold(str(tmp_path)):
     holder = json.loads((tmp_path / workdir.LOCK_FILE).read_text())
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
     # (flock locks an open file, not a process: a second open in this one is refused too)
-    with pytest.raises(workdir.WorkdirLocked) as info:
-      with workdir.hold(str(tmp_path)):
+    with pytest.raises(run_lock.WorkdirLocked) as info:
+      with run_lock.hold(str(tmp_path)):
         pass
     message = str(info.value)
     assert str(tmp_path) in message and f"PID {os.getpid()}" in message
     assert socket.gethostname() in message and "--workdir" in message
   assert (tmp_path / workdir.LOCK_FILE).read_text() == ""   # no stale PID left
-  with workdir.hold(str(tmp_path)):                          # released
+  with run_lock.hold(str(tmp_path)):                          # released
     pass
 
 
 HOLDER = """
 import sys, time
-from transformer import workdir
-with workdir.hold(sys.argv[1]):
+from transformer.runtime import run_lock
+with run_lock.hold(sys.argv[1]):
   print("holding", flush=True)
   time.sleep(120)
 """
@@ -142,14 +143,14 @@ def test_the_lock_dies_with_its_process(tmp_path):
                           stdout=subprocess.PIPE, text=True)
   try:
     assert proc.stdout.readline().strip() == "holding"
-    with pytest.raises(workdir.WorkdirLocked, match=f"PID {proc.pid} on host"):
-      with workdir.hold(str(tmp_path)):
+    with pytest.raises(run_lock.WorkdirLocked, match=f"PID {proc.pid} on host"):
+      with run_lock.hold(str(tmp_path)):
         pass
   finally:
     proc.kill()
     proc.wait(timeout=30)
   assert proc.returncode == -signal.SIGKILL
-  with workdir.hold(str(tmp_path)):
+  with run_lock.hold(str(tmp_path)):
     pass
 
 
@@ -194,14 +195,15 @@ def test_fields_that_must_match_are_all_listed_with_the_ways_out(tmp_path):
 
 TWO_PROCESS_HOLDER = """
 import os, sys
-from transformer import parallel, workdir
+from transformer.runtime import parallel
+from transformer.runtime import run_lock
 port, process_id, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 parallel.maybe_initialize_distributed(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                       process_id=process_id, initialization_timeout=60)
 try:
-  with workdir.hold(directory):
+  with run_lock.hold(directory):
     print("held", flush=True)
-except workdir.WorkdirLocked as e:
+except run_lock.WorkdirLocked as e:
   print("refused:", e, flush=True)
 parallel.shutdown_distributed()
 """
@@ -216,7 +218,7 @@ def test_with_two_processes_process_0_locks_and_both_follow(tmp_path, held_by_an
   env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
   with contextlib.ExitStack() as stack:
     if held_by_another_run:
-      stack.enter_context(workdir.hold(str(tmp_path)))
+      stack.enter_context(run_lock.hold(str(tmp_path)))
     outputs = run_together([[sys.executable, "-c", TWO_PROCESS_HOLDER, str(port), str(i),
                              str(tmp_path)] for i in range(2)], env, timeout=120)
   for out in outputs:

@@ -56,7 +56,7 @@ TINY_OVERRIDES: dict[str, Any] = {
 
 def tiny_config(overrides: dict[str, Any] | None = None):
   """configs/default.py with TINY_OVERRIDES, then `overrides` ("a.b" keys)."""
-  from configs import default
+  from transformer.configs import default
   config = default.get_config()
   config.update_from_flattened_dict(dict(TINY_OVERRIDES))
   if overrides:
@@ -71,7 +71,7 @@ def config_file_text(overrides: dict[str, Any] | None = None) -> str:
   return (
       "import sys\n"
       f"sys.path.insert(0, {REPO!r})\n"
-      "from configs import default\n\n"
+      "from transformer.configs import default\n\n"
       "def get_config():\n"
       "  config = default.get_config()\n"
       f"  config.update_from_flattened_dict({merged!r})\n"
@@ -94,7 +94,9 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
   import signal
   import threading
   import time
-  from transformer import averaging, checkpoints, training
+  from transformer.runtime import averaging
+  from transformer.runtime import checkpoints
+  from transformer.training import loop as training
   assert phase in KILL_PHASES, phase
   seen = [0]
 
@@ -155,7 +157,7 @@ def main() -> None:
                       help='JSON {"phase", "nth", "delay"}: SIGKILL in that phase (arm_kill)')
   args = parser.parse_args()
 
-  from transformer import parallel
+  from transformer.runtime import parallel
   if args.num_processes > 1:
     assert parallel.maybe_initialize_distributed(
         coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.num_processes,
@@ -165,7 +167,7 @@ def main() -> None:
     assert not parallel.maybe_initialize_distributed(num_cpu_devices=args.num_cpu_devices)
 
   import jax
-  from transformer import training
+  from transformer.training import loop as training
   if args.kill:
     arm_kill(**json.loads(args.kill))
   config = tiny_config(json.loads(args.overrides))

@@ -32,8 +32,8 @@ speed kernels), `transformer.kv_cache` (incremental decoding),
 `transformer.compile_cache` (on by default: see there).
 """
 
-from transformer.host_memory import keep_freed_memory
-from transformer.model import (MultiHeadAttention, Transformer, TransformerConfig,
+from transformer.runtime.host_memory import keep_freed_memory
+from transformer.model.transformer import (MultiHeadAttention, Transformer, TransformerConfig,
                                count_params, init_params, scaled_dot_product_attention,
                                sinusoidal_positional_encoding)
 
@@ -48,7 +48,7 @@ def demo_config(**overrides):
   """The embedded demo's config (configs/default.py) with top-level fields
   overridden, e.g. demo_config(num_train_steps=300). Nested fields:
   config.model.d_model = 64 on the returned object."""
-  from configs import default
+  from transformer.configs import default
   config = default.get_config()
   config.update(overrides)
   return config
@@ -57,23 +57,25 @@ def demo_config(**overrides):
 def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: bool = False):
   """Trains (or resumes) into `workdir`; returns a `training.TrainResult`.
   Holds the workdir while it trains (a second run there raises
-  `workdir.WorkdirLocked`) and resumes only with the config it was trained
+  `run_lock.WorkdirLocked`) and resumes only with the config it was trained
   with (`workdir.check_config`); the run's log is <workdir>/train.log."""
-  from transformer import compile_cache, training
+  from transformer.runtime import compile_cache
+  from transformer.training import loop as training
   compile_cache.enable()
   return training.train_and_evaluate(config, workdir, quiet=quiet,
                                      train_pairs=train_pairs, eval_pairs=eval_pairs)
 
 
 def load_translator(workdir: str, checkpoint="auto"):
-  """A `translation.Translator` for a trained workdir (`workdir.load_translator`)."""
-  from transformer import compile_cache, workdir as workdir_lib
+  """A `translation.Translator` for a trained workdir (`loader.load_translator`)."""
+  from transformer.decoding import loader
+  from transformer.runtime import compile_cache
   compile_cache.enable()
-  return workdir_lib.load_translator(workdir, checkpoint)
+  return loader.load_translator(workdir, checkpoint)
 
 
 def __getattr__(name):
   if name == "Translator":
-    from transformer.translation import Translator
+    from transformer.decoding.translator import Translator
     return Translator
   raise AttributeError(name)

@@ -12,7 +12,7 @@ import sacrebleu
 import tqdm
 from etils import epath
 
-from transformer import multihost
+from transformer.runtime import multihost
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

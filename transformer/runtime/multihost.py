@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from transformer.text_io import write_atomically
+from transformer.data.text_io import write_atomically
 
 logger = logging.getLogger(__name__)
 

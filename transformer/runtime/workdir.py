@@ -1,4 +1,6 @@
-"""What a run directory (the workdir) holds, and how to load a translator from it.
+"""What a run directory (the workdir) holds: its files, its configs, the vocabulary
+rule, the resume check and which checkpoint a name means. (The lock is in
+`run_lock.py`, the run's log in `run_log.py`, the loader in `decoding/loader.py`.)
 
 train.py writes, and decode.py, the Python API (`transformer.load_translator`)
 and the notebook read::
@@ -40,24 +42,16 @@ loaded; only RESUMABLE_FIELDS may change.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import errno
-import fcntl
-import functools
 import json
 import logging
 import os
-import socket
-import sys
 
-import jax
 from etils import epath
 
-from transformer import averaging, checkpoints, multihost
-from transformer.model import TransformerConfig, init_params
-from transformer.tokenizer import load_tokenizer
-from transformer.translation import OptionError, Translator
+from transformer.model.transformer import TransformerConfig
+from transformer.runtime import checkpoints
+from transformer.runtime import multihost
+from transformer.runtime.errors import OptionError
 
 CONFIG_FILE = "config.json"
 MODEL_CONFIG_FILE = "model_config.json"
@@ -93,7 +87,7 @@ logger = logging.getLogger(__name__)
 class CheckpointNotFound(FileNotFoundError):
   """The checkpoint asked for is not in the workdir. `str(e)` reads
   "checkpoint=<which>: <problem>"; `option`, `value` and `problem` are kept
-  apart, as in `translation.OptionError`, so that a command line can name its
+  apart, as in `errors.OptionError`, so that a command line can name its
   flag instead (decode.py: "--checkpoint=<which>: ...")."""
 
   def __init__(self, value, problem: str):
@@ -175,118 +169,6 @@ def check_files(workdir: str) -> None:
 
 
 # ----------------------------------------------------------------------------
-# One run at a time
-# ----------------------------------------------------------------------------
-
-
-class WorkdirLocked(RuntimeError):
-  """Another training run holds the workdir (`hold`); `holder` is what it
-  wrote in the lock file ({"pid", "host", "started"}, {} if unreadable).
-  `elsewhere`: this process's workdir is free, another process's is not
-  (processes with a workdir each)."""
-
-  def __init__(self, workdir: str, holder: dict, *, elsewhere: bool = False):
-    who = (f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}"
-           + (f", started {holder['started']}" if holder.get("started") else ""))
-    if elsewhere:
-      problem = ("the workdir of another process of this run is in use by another training "
-                 f"run (that process's error names it; {workdir}, this process's, is free)")
-    else:
-      problem = f"workdir {workdir} is in use by another training run ({who})"
-    super().__init__(
-        f"{problem}. Wait for it to "
-        "finish or stop it, or train into another --workdir. (decode.py may read a "
-        "workdir while it trains.)")
-    self.workdir, self.holder = workdir, holder
-
-
-@contextlib.contextmanager
-def hold(workdir: str, *, shared: bool = True):
-  """Holds `workdir` for one training run: the first thing a run does there,
-  before it writes anything.
-
-  On the local file system this is an OS lock (`fcntl.flock`) on
-  <workdir>/train.lock, which holds the holder's PID, host and start time
-  for the message a second run prints; the OS drops the lock when its
-  process ends, however it ends, so a run killed with SIGKILL leaves no stale
-  lock and the lock file itself is never deleted (deleting it would let two
-  runs lock two different files). With several processes (hosts) sharing
-  the workdir, process 0 locks it; with a workdir each (`shared=False`,
-  `multihost.workdirs_shared`) each locks its own; all stop if one cannot. A
-  file system without locks (some network or FUSE mounts) gets a warning and
-  no lock; an object store (gs://...) a note and no lock.
-
-  Raises WorkdirLocked naming the holder.
-  """
-  fd = None
-  refused = None
-  if jax.process_index() == 0 or not shared:
-    if multihost.is_local(workdir):
-      try:
-        fd = _lock(os.path.join(workdir, LOCK_FILE))
-      except WorkdirLocked as e:
-        refused = e
-    else:
-      logger.info("%s is not on a local file system: it cannot be locked; make sure no "
-                  "other run trains in it.", workdir)
-  if jax.process_count() > 1 and shared:
-    import numpy as np
-    from jax.experimental import multihost_utils
-    locked = bool(multihost_utils.broadcast_one_to_all(np.int32(refused is None)))
-    if not locked and refused is None:  # (process 0 could not lock it)
-      refused = WorkdirLocked(workdir, _lock_holder(os.path.join(workdir, LOCK_FILE)))
-  elif jax.process_count() > 1:
-    if not multihost.all_processes(refused is None) and refused is None:
-      refused = WorkdirLocked(workdir, {}, elsewhere=True)
-  if refused is not None:
-    _unlock(fd)
-    raise refused
-  try:
-    yield
-  finally:
-    if fd is not None:
-      _unlock(fd)
-
-
-def _lock(path: str) -> int | None:
-  """The open, locked lock file (its descriptor), its content this process's
-  PID, host and time; None where the file system has no locks."""
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    os.close(fd)
-    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-      raise WorkdirLocked(os.path.dirname(path), _lock_holder(path)) from None
-    logger.warning("Cannot lock %s (%s): make sure no other run trains in this workdir.",
-                   path, e)
-    return None
-  holder = {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-  os.ftruncate(fd, 0)
-  os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-  return fd
-
-
-def _unlock(fd: int | None) -> None:
-  if fd is None:
-    return
-  os.ftruncate(fd, 0)  # (no stale PID for a reader to trust)
-  fcntl.flock(fd, fcntl.LOCK_UN)
-  os.close(fd)
-
-
-def _lock_holder(path: str) -> dict:
-  """What the holder wrote in the lock file; {} if it has not yet (or cannot be read)."""
-  try:
-    with open(path) as f:
-      holder = json.loads(f.read() or "{}")
-    return holder if isinstance(holder, dict) else {}
-  except (OSError, ValueError):
-    return {}
-
-
-# ----------------------------------------------------------------------------
 # Config changes on resume
 # ----------------------------------------------------------------------------
 
@@ -352,83 +234,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 # ----------------------------------------------------------------------------
-# The run's log
-# ----------------------------------------------------------------------------
-
-
-def log_path(workdir: str) -> str:
-  """<workdir>/train.log (process 0), train.process_<i>.log (the others)."""
-  index = jax.process_index()
-  name = LOG_FILE if index == 0 else f"{os.path.splitext(LOG_FILE)[0]}.process_{index}.log"
-  return os.path.join(workdir, name)
-
-
-@contextlib.contextmanager
-def run_log(workdir: str):
-  """Appends the run's log records to `log_path(workdir)` while it lasts (all
-  that reach the root logger at the loggers' levels: train.py's INFO lines,
-  libraries' warnings and errors with their tracebacks) and, when the run
-  ends with an exception, its full traceback: a fatal error's console message
-  is one line, and this file is what a bug report needs. Best effort: a line
-  that cannot be written (a full disk) is dropped, not reported.
-
-  Exceptions Python cannot raise anywhere ("unraisable": after orbax gives up
-  on a failed save, tensorstore's late callbacks find its event loop closed
-  and print "RuntimeError: Event loop is closed" tracebacks) go here too,
-  not to the console, while the run lasts."""
-  path = log_path(workdir)
-  if not multihost.is_local(path):  # (an object store cannot append)
-    logger.info("The run's log is not written to %s (not a local file system); "
-                "logging to the console only.", path)
-    yield None
-    return
-  try:
-    handler = _QuietFileHandler(path, encoding="utf-8")
-  except OSError as e:
-    logger.warning("Cannot write the run's log %s (%s); logging to the console only.", path, e)
-    yield None
-    return
-  handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-  root = logging.getLogger()
-  root.addHandler(handler)
-  handler.note(logging.INFO, f"run started: PID {os.getpid()} on {socket.gethostname()}: "
-               f"{' '.join(sys.argv)}")
-  unraisable_hook = sys.unraisablehook
-  sys.unraisablehook = lambda unraisable: handler.note(
-      logging.WARNING, f"{unraisable.err_msg or 'Exception ignored'} in {unraisable.object!r} "
-      "(a late callback in a library's thread)",
-      exc_info=(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback))
-  try:
-    yield path
-    handler.note(logging.INFO, "run finished")
-  except KeyboardInterrupt:
-    handler.note(logging.WARNING, "run interrupted (KeyboardInterrupt)")
-    raise
-  except BaseException as e:
-    handler.note(logging.ERROR, f"run stopped by {type(e).__name__}: {e}",
-                 exc_info=(type(e), e, e.__traceback__))
-    raise
-  finally:
-    sys.unraisablehook = unraisable_hook
-    root.removeHandler(handler)
-    handler.close()
-
-
-class _QuietFileHandler(logging.FileHandler):
-  """A FileHandler that drops what it cannot write instead of printing a
-  "--- Logging error ---" traceback to the console (on a full disk, say)."""
-
-  def handleError(self, record):
-    del record
-
-  def note(self, level: int, message: str, exc_info=None) -> None:
-    """Writes `message` to this file only (not to the console's handlers)."""
-    self.handle(logging.makeLogRecord({
-        "name": __name__, "levelno": level, "levelname": logging.getLevelName(level),
-        "msg": message, "exc_info": exc_info}))
-
-
-# ----------------------------------------------------------------------------
 # Which checkpoint
 # ----------------------------------------------------------------------------
 
@@ -477,41 +282,3 @@ def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
     raise CheckpointNotFound(which, f"no checkpoint for step {which} in {ckpt_dir}; "
                              f"available steps: {steps} (or use checkpoint=auto)")
   return which
-
-
-# ----------------------------------------------------------------------------
-# The one loader
-# ----------------------------------------------------------------------------
-
-
-def load_translator(workdir: str, checkpoint: str | int = "auto", *,
-                    with_info: bool = False):
-  """A Translator for a workdir written by train.py.
-
-  Args:
-    workdir: holds model_config.json, the vocabulary and checkpoints.
-    checkpoint: "auto" (the averaged checkpoint if any, else the latest),
-      "averaged", "latest", or a step number.
-    with_info: also return what was loaded: `averaging.load_params`' info
-      ("kind": "averaged" | "step", "step", "path", and "averaged_steps").
-  Returns:
-    The Translator, or (Translator, info) with `with_info=True`.
-  Raises:
-    FileNotFoundError (CheckpointNotFound among them) naming what is missing
-    and what to do; ValueError for files that cannot be read (OptionError for
-    a `checkpoint` that is no choice).
-  """
-  check_files(workdir)
-  which = resolve_checkpoint(workdir, checkpoint)
-  workdir = str(multihost.resolve(workdir))  # orbax restores only from absolute paths
-  model_config = load_model_config(workdir)
-  tokenizer = load_tokenizer(vocab_path(workdir))
-  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
-  try:
-    params, info = averaging.load_params(workdir, target, which=which, with_info=True)
-  except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
-    raise FileNotFoundError(f"cannot load the parameters: {e}") from e
-  except ValueError as e:
-    raise ValueError(f"cannot load the parameters: {e}") from e
-  translator = Translator(model_config, params, tokenizer)
-  return (translator, info) if with_info else translator

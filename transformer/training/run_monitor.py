@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 
-from transformer import flops, stall
-from transformer import time_budget as time_budget_lib
-from transformer.model import TransformerConfig
-from transformer.tokenizer import EOS_ID
+from transformer.training import flops
+from transformer.training import stall
+from transformer.training import time_budget as time_budget_lib
+from transformer.model.transformer import TransformerConfig
+from transformer.data.tokenizer import EOS_ID
 
 logger = logging.getLogger(__name__)
 

@@ -37,23 +37,14 @@ import numpy as np
 import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from transformer import decoding
-from transformer.kv_cache import init_cache, reorder_cache
-from transformer.model import Transformer, TransformerConfig
-from transformer.tokenizer import Tokenizer
+from transformer.decoding import search as decoding
+from transformer.model.kv_cache import init_cache, reorder_cache
+from transformer.model.transformer import Transformer, TransformerConfig
+from transformer.data.tokenizer import Tokenizer
+from transformer.runtime.errors import OptionError
 
 METHODS = ("greedy", "beam", "sample")
 MIN_BUCKET = 8
-
-
-class OptionError(ValueError):
-  """An option value that cannot be used. `str(e)` reads "option=value:
-  problem"; `option`, `value` and `problem` are kept apart so that a command
-  line can name its flag instead (decode.py: "--option=value: problem")."""
-
-  def __init__(self, option: str, value, problem: str):
-    super().__init__(f"{option}={value}: {problem}")
-    self.option, self.value, self.problem = option, value, problem
 
 
 def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
@@ -160,7 +151,7 @@ class Translator:
     checkpoint of the same model, as training's evaluation does). The
     compiled decoders are kept: they take the parameters as an argument."""
     if jax.process_count() > 1:  # global arrays -> this process's devices
-      from transformer import parallel
+      from transformer.runtime import parallel
       params = parallel.to_host(params)
     self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
     # The tied output projection laid out for decoding steps, once for all

@@ -53,7 +53,7 @@ _choose_backend()
 
 from matplotlib.figure import Figure  # noqa: E402  (after the backend choice)
 
-from transformer.text_io import write_atomically  # noqa: E402
+from transformer.data.text_io import write_atomically  # noqa: E402
 
 ATTENTION_CMAP = "Blues"
 CELL_INCHES = 0.28          # size of one heat-map cell
@@ -212,7 +212,7 @@ def positional_encoding(max_len: int, d_model: int) -> np.ndarray:
   """`[max_len, d_model]` table of `model.sinusoidal_positional_encoding`."""
   import jax.numpy as jnp
 
-  from transformer.model import sinusoidal_positional_encoding
+  from transformer.model.transformer import sinusoidal_positional_encoding
 
   return np.asarray(sinusoidal_positional_encoding(jnp.arange(max_len), d_model))
 

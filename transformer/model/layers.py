@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from transformer import prng
+from transformer.model import prng
 
 Array = jax.Array
 

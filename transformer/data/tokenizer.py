@@ -27,7 +27,7 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from transformer.text_io import write_atomically
+from transformer.data.text_io import write_atomically
 
 PAD_ID = 0
 EOS_ID = 1
@@ -58,7 +58,7 @@ class Tokenizer:
       raise ValueError(
           f"{where} has special ids pad/eos/bos/unk = {ids}, but this project "
           f"needs {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}. Train the vocabulary with "
-          "transformer.tokenizer.train_tokenizer (or delete it from the workdir "
+          "transformer.data.tokenizer.train_tokenizer (or delete it from the workdir "
           "and let train.py retrain it)."
       )
     self.vocab_size: int = self._sp.get_piece_size()
@@ -219,7 +219,7 @@ def load_tokenizer(model_path: str) -> Tokenizer:
     raise FileNotFoundError(
         f"No SentencePiece vocabulary at {model_path}. Train first: "
         "`python train.py --workdir=<dir>` writes <dir>/vocab.model, or call "
-        "transformer.tokenizer.train_tokenizer(...)."
+        "transformer.data.tokenizer.train_tokenizer(...)."
     )
   proto = path.read_bytes()
   try:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-from transformer import metrics as metrics_lib
-from transformer import multihost, plotting
+from transformer.training import metrics as metrics_lib
+from transformer.runtime import multihost
+from transformer.plotting import figures as plotting
 
 TEST_TRANSLATIONS_FILE = "test_translations.txt"
 CURVES_FILE = "curves.png"

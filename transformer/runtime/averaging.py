@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer import multihost
-from transformer.checkpoints import (AVERAGED_DIR, CHECKPOINT_DIR, META_ITEM, PARAMS_ITEM,
+from transformer.runtime import multihost
+from transformer.runtime.checkpoints import (AVERAGED_DIR, CHECKPOINT_DIR, META_ITEM, PARAMS_ITEM,
                                      PARAMS_KEY, STATE_ITEM, abstract_target,
                                      checkpoint_steps, manager_options, multiprocessing_options,
                                      pytree_handler, pytree_save, restore_params_from_state,
                                      step_dir)
-from transformer.disk_space import (SPACE_MARGIN, DiskFullError, is_disk_full,
+from transformer.runtime.disk_space import (SPACE_MARGIN, DiskFullError, is_disk_full,
                                     remove_unfinished, tree_bytes)
 
 logger = logging.getLogger(__name__)

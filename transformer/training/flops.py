@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer.model import TransformerConfig
+from transformer.model.transformer import TransformerConfig
 
 # Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets; matched
 # against `device.device_kind` (lower case, first match wins).

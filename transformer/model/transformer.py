@@ -39,11 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer import kv_cache, prng
-from transformer.attention_choice import (  # noqa: F401  (public here too)
+from transformer.model import kv_cache
+from transformer.model import prng
+from transformer.model.attention_choice import (  # noqa: F401  (public here too)
     attention_backend, attention_implementation_name, choose_attention_implementation,
     cudnn_problem)
-from transformer.layers import (Dense, Dropout, LayerNorm, run_layers, stack_layers,
+from transformer.model.layers import (Dense, Dropout, LayerNorm, run_layers, stack_layers,
                                 tied_output_projection)
 
 Array = jax.Array

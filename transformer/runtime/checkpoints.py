@@ -65,8 +65,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer import multihost, parallel
-from transformer.disk_space import (SPACE_MARGIN, DiskFullError, disk_bytes, is_disk_full,
+from transformer.runtime import multihost
+from transformer.runtime import parallel
+from transformer.runtime.disk_space import (SPACE_MARGIN, DiskFullError, disk_bytes, is_disk_full,
                                     remove_unfinished, tree_bytes)
 
 logger = logging.getLogger(__name__)

@@ -61,9 +61,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from transformer import text_io
-from transformer.demo_task import demo_splits
-from transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer.data import text_io
+from transformer.data.demo_task import demo_splits
+from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
 Pair = tuple[str, str]
 Batch = dict[str, np.ndarray]

@@ -38,13 +38,22 @@ import optax
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from transformer import (attention_choice, averaging, checkpoints, data, multihost, parallel,
-                         prng, report, run_monitor)
-from transformer import time_budget as time_budget_lib
-from transformer import tokenizer as tokenizer_lib
-from transformer import metrics as metrics_lib
-from transformer import translation, workdir as workdir_lib
-from transformer.model import Transformer, TransformerConfig, init_params, shift_right
+from transformer.model import attention_choice
+from transformer.runtime import averaging
+from transformer.runtime import checkpoints
+from transformer.data import pipeline as data
+from transformer.runtime import multihost
+from transformer.runtime import parallel
+from transformer.model import prng
+from transformer.training import report
+from transformer.training import run_monitor
+from transformer.training import time_budget as time_budget_lib
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.training import metrics as metrics_lib
+from transformer.decoding import translator as translation
+from transformer.runtime import workdir as workdir_lib
+from transformer.model.transformer import Transformer, TransformerConfig, init_params, shift_right
+from transformer.runtime import run_lock, run_log
 
 logger = logging.getLogger(__name__)
 
@@ -498,10 +507,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   the data source of `config.data`, e.g. for sentence pairs held in memory.
 
   Before anything is written the workdir is held for this run
-  (`workdir.hold`) and, before anything is loaded or compiled, the config is
+  (`run_lock.hold`) and, before anything is loaded or compiled, the config is
   compared with the one it was trained with (`workdir.check_config`); the
   run's log and a fatal error's traceback go to <workdir>/train.log.
-  Raises (besides ValueError for a bad config): workdir.WorkdirLocked,
+  Raises (besides ValueError for a bad config): run_lock.WorkdirLocked,
   workdir.ConfigMismatch, disk_space.DiskFullError, TrainingDiverged.
   """
   started = time.monotonic()
@@ -517,8 +526,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         f" --config.state_sharding=replicated.")
   workdir = str(path)
   with contextlib.ExitStack() as stack:
-    stack.enter_context(workdir_lib.hold(workdir, shared=shared))
-    stack.enter_context(workdir_lib.run_log(workdir))
+    stack.enter_context(run_lock.hold(workdir, shared=shared))
+    stack.enter_context(run_log.run_log(workdir))
     return _run(config, workdir, stack, quiet=quiet, train_pairs=train_pairs,
                 eval_pairs=eval_pairs, started=started, shared=shared)
 
