@@ -175,7 +175,7 @@ def attention_and_grads(q, k, v, mask, g, implementation):
     ("cudnn", "gpu", "bfloat16", 64, {"return_weights": True}, "einsum"),
 ])
 def test_choice_table(requested, backend, dtype, head_dim, extra, expected):
-  assert M.choose_attention_implementation(
+  assert attention_choice.choose_attention_implementation(
       requested, backend=backend, dtype=jnp.dtype(dtype), head_dim=head_dim,
       **extra) == expected
 
@@ -231,7 +231,7 @@ def test_possible_configs_are_accepted(changes):
 
 def test_log_line_says_which_implementation_and_why():
   bf16 = M.TransformerConfig(**TINY, dtype="bfloat16")
-  name = M.attention_implementation_name
+  name = attention_choice.attention_implementation_name
   assert "cuDNN flash attention" in name(bf16, "gpu")
   assert "implementation='cudnn'" in name(bf16, "gpu")
   f32 = name(bf16.replace(dtype="float32"), "gpu")
@@ -246,7 +246,7 @@ def test_log_line_says_which_implementation_and_why():
 
 def test_log_line_defaults_to_this_machine(monkeypatch):
   fake_backend(monkeypatch, "gpu")
-  assert "cuDNN" in M.attention_implementation_name(M.TransformerConfig(**TINY, dtype="bfloat16"))
+  assert "cuDNN" in attention_choice.attention_implementation_name(M.TransformerConfig(**TINY, dtype="bfloat16"))
 
 
 # --------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Incremental decoding's keys and values: what is cached, where each step writes,
-how a step reads it, and a decoding step through the model's layers. `model.py`
-delegates to these from its thin step methods (`MultiHeadAttention.attend_step`,
-`DecoderLayer.step`, `Transformer.decode_step`); the decoding strategies (`decoding.py`)
+and the kernel that reads it. The decoding step itself is the model's
+(`transformer.py`: `DecoderLayer.step`, `Decoder.step`, `Transformer.decode_step`,
+beside the teacher-forced path), whose `scaled_dot_product_attention(cached=True)`
+hands its arrays to `attend` here; the search strategies (`decoding/search.py`)
 see the cache only as a pytree.
 
 Two kinds of keys/values are read by a decoding step:
@@ -234,47 +235,3 @@ def _attend_cache_prefix(query: Array, key: Array, value: Array, mask: Array,
 
   branch = sum((written > bound).astype(jnp.int32) for bound in bounds[:-1])
   return jax.lax.switch(branch, [prefix(n) for n in bounds], query, key, value, mask)
-
-
-# ----------------------------------------------------------------------------
-# A decoding step through the model (`Transformer.decode_step`, `DecoderLayer.step`)
-# ----------------------------------------------------------------------------
-
-
-def decoder_step(decoder, tokens: Array, cache: dict, memory, cross_mask: Array,
-                 logits_kernel: Array | None) -> tuple[Array, dict]:
-  """One position of every row through a bound `model.Decoder`: tokens `[batch
-  * beams]` (the previous ones) -> logits `[batch * beams, vocab]`, new cache.
-  `memory`: `Decoder.memory`'s; `cross_mask` `[batch, 1, 1, 1, src_length]`."""
-  index = cache["index"]
-  self_mask, ancestry = self_attention_mask(cache)
-  y = decoder.input_embedding(tokens[:, None], jnp.full((tokens.shape[0], 1), index, jnp.int32))
-  if decoder.config.scan_layers:
-    y, layers = decoder.layers.step(y, cache["layers"], memory, cross_mask, self_mask, index)
-  else:
-    layers = []
-    for layer, layer_cache, layer_memory in zip(decoder.layers, cache["layers"], memory):
-      y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, self_mask, index)
-      layers.append(layer_cache)
-  return (decoder.logits(y[:, 0], logits_kernel),
-          {"index": index + 1, "ancestry": ancestry, "layers": layers})
-
-
-def layer_step(layer, y: Array, cache: dict, memory: tuple[Array, Array], cross_mask: Array,
-               self_mask: Array, index: Array) -> tuple[Array, dict]:
-  """A bound `model.DecoderLayer`'s sub-layers, as in its `__call__`, for
-  position `index` of `batch * beams` rows: y `[batch * beams, 1, d_model]` ->
-  (same shape, the layer's `cache` with the position's keys/values written).
-  Self-attention reads the cache's written prefix, cross-attention the memory."""
-  def self_attention(h):
-    nonlocal cache
-    cache = write(cache, *layer.self_attention.project_key_value(h), index)
-    return layer.self_attention.attend_step(h, cache["key"], cache["value"], self_mask,
-                                            written=index + 1)
-
-  def cross_attention(h):
-    return layer.cross_attention.attend_step(h, *memory, cross_mask)
-
-  y = layer.self_attention_norm(y, self_attention)
-  y = layer.cross_attention_norm(y, cross_attention)
-  return layer.feed_forward_norm(y, layer.feed_forward), cache

@@ -1,111 +1,60 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) in Flax linen.
 
-Read top to bottom, this file is the paper's Section 3:
+Read top to bottom, this file is the paper's Section 3 (the hyper-parameters,
+with the paper's names, are `config.py`'s TransformerConfig):
 
-  TransformerConfig               the hyper-parameters, with the paper's names (Table 3)
   sinusoidal_positional_encoding  Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model))
   attention_mask, shift_right     Section 3.2.3 / 3.1: masking, outputs offset by one
-  scaled_dot_product_attention    Section 3.2.1, Equation (1): softmax(Q K^T / sqrt(d_k)) V
-                                  (which code runs it: attention_choice.py)
+  scaled_dot_product_attention    Section 3.2.1, Equation (1): softmax(Q K^T / sqrt(d_k)) V,
+                                  for training and decoding alike
   MultiHeadAttention              Section 3.2.2: Concat(head_1, ..., head_h) W^O
   FeedForward                     Section 3.3, Equation (2): max(0, x W_1 + b_1) W_2 + b_2
   ResidualNorm                    Section 3.1 / 5.4: LayerNorm(x + Dropout(Sublayer(x)))
   Embeddings, InputEmbedding      Section 3.4 / 3.5: shared embedding x sqrt(d_model), + PE
   EncoderLayer, Encoder           Section 3.1, the left half of Figure 1
   DecoderLayer, Decoder           Section 3.1, the right half of Figure 1, then the final
-                                  linear transformation (Section 3.4)
-  Transformer                     encode / decode / __call__ -> logits (the loss applies softmax)
+                                  linear transformation (Section 3.4); each with `step`,
+                                  the same computation for one new position (decoding)
+  Transformer                     encode / decode / __call__ -> logits (the loss applies
+                                  softmax); encoder_memory + decode_step for decoding
 
 Shapes: `[batch, length, d_model]` for activations; heads are split as
 `[batch, length, num_heads, head_dim]`. Masks come from *segment ids*: 0 on
 padding and 1, 2, 3, ... for the examples packed into one row; a query attends
 to a key of its own segment that is not padding (nor, in the decoder, in the future).
 
-Two neighbours keep this file about the paper. `layers.py`: the dense layer,
-LayerNorm, dropout and tied output projection, each computing exactly what its
-flax counterpart computes, only faster. `kv_cache.py`: incremental decoding's
-key/value cache, to which the decoding-step methods below hand their arrays.
+Two paths through the decoder. Training and scoring see the whole target at
+once (teacher forcing, the causal mask). Decoding produces one position per
+step: each decoder layer's `step` runs the same three sub-layers for that
+position, its self-attention reading the keys/values of earlier positions from
+a cache, its encoder-decoder attention reading keys/values computed once from
+the encoder output (`Transformer.encoder_memory`), not at every step.
+
+What makes it fast sits beside it and computes the same thing: `layers.py`
+(the dense layer, LayerNorm, dropout and the tied output projection, each
+equal to its flax counterpart), `kv_cache.py` (the cache's layout and the
+attention kernel for one decoding step), `attention_choice.py` (cuDNN / XLA /
+einsum per machine).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer.model import kv_cache
-from transformer.model import prng
-from transformer.model.attention_choice import (  # noqa: F401  (public here too)
-    attention_backend, attention_implementation_name, choose_attention_implementation,
-    cudnn_problem)
+from transformer.model import kv_cache, prng
+from transformer.model.attention_choice import attention_backend, choose_attention_implementation
+from transformer.model.config import TransformerConfig
 from transformer.model.layers import (Dense, Dropout, LayerNorm, run_layers, stack_layers,
-                                tied_output_projection)
+                                      tied_output_projection)
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Hyper-parameters of the Transformer. Defaults are the paper's base model."""
-
-  vocab_size: int = 37000          # shared source/target vocabulary
-  d_model: int = 512               # width of every residual-stream vector
-  num_heads: int = 8               # h
-  d_ff: int = 2048                 # inner width of the feed-forward network
-  num_encoder_layers: int = 6      # N (encoder)
-  num_decoder_layers: int = 6      # N (decoder)
-  max_len: int = 256               # longest sequence (learned positions, checks)
-  dropout_rate: float = 0.1        # P_drop: sub-layer outputs, embeddings + PE
-  attention_dropout_rate: float = 0.0  # on the attention weights (not in the paper)
-  share_embeddings: bool = True    # one embedding for source and target tokens
-  logits_via_embedding: bool = True  # pre-softmax projection = embedding^T
-  normalization: str = "post"      # "post" (paper) or "pre" (LayerNorm first)
-  activation: str = "relu"         # feed-forward non-linearity: "relu" or "gelu"
-  positional: str = "sinusoidal"   # "sinusoidal" (paper) or "learned"
-  layer_norm_epsilon: float = 1e-6
-  dtype: str = "float32"           # compute dtype ("bfloat16" on accelerators)
-  param_dtype: str = "float32"     # storage dtype of the parameters
-  scan_layers: bool = False        # stack layers with nn.scan (flat compile time)
-  remat: bool = False              # recompute layer activations in the backward pass
-  attention_implementation: str | None = None  # None (by machine), "xla", "cudnn": see
-                                               # choose_attention_implementation
-  pad_id: int = 0
-  eos_id: int = 1
-  bos_id: int = 2
-
-  def __post_init__(self):
-    _check_config(self)  # a ValueError naming the field and what it must be
-
-  @property
-  def head_dim(self) -> int:
-    """d_k = d_v = d_model / h."""
-    return self.d_model // self.num_heads
-
-  @property
-  def compute_dtype(self):
-    return jnp.dtype(self.dtype)
-
-  @property
-  def params_dtype(self):
-    return jnp.dtype(self.param_dtype)
-
-  def replace(self, **changes) -> "TransformerConfig":
-    return dataclasses.replace(self, **changes)
-
-  def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
-
-  @classmethod
-  def from_dict(cls, values) -> "TransformerConfig":
-    """Builds a config from a mapping, ignoring keys that are not fields."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(values).items() if k in names})
 
 
 def sinusoidal_positional_encoding(positions: Array, d_model: int) -> Array:
@@ -153,6 +102,7 @@ def scaled_dot_product_attention(
     query: Array, key: Array, value: Array, mask: Array | None = None, *,
     dropout_rate: float = 0.0, dropout_rng: Array | None = None,
     return_weights: bool = False, implementation: str | None = None,
+    cached: bool = False, written: Array | None = None,
 ) -> tuple[Array, Array | None]:
   """Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V, Equation (1).
 
@@ -163,6 +113,12 @@ def scaled_dot_product_attention(
     return_weights: also return the weights (e.g. to plot them).
     implementation: None, "xla" or "cudnn", resolved for this machine by
       `choose_attention_implementation`.
+    cached: incremental decoding (`DecoderLayer.step`): one query position per
+      row, query `[batch * beams, 1, heads, d_k]`, against keys/values in
+      `kv_cache`'s layout (the decoder's cache, or the encoder output's keys/
+      values computed once per input), mask as `kv_cache.attend` takes it.
+    written: with `cached`, how many cache positions are written (a scalar;
+      None for the encoder's keys/values): later ones are not read at all.
   Returns:
     `([batch, q_length, heads, d_v], weights [batch, heads, q_length, kv_length] or None)`.
     A query whose every key is hidden (padding) gets uniform weights in the
@@ -170,6 +126,12 @@ def scaled_dot_product_attention(
     swamps the scores); with float16 (bias -2^15) cuDNN gives it softmax of its
     scores. No NaN in any path, and no loss or real position depends on such a row.
   """
+  if cached:
+    # The same equation for one new position per row. It replaces the einsums
+    # below with a kernel for the cache's layout (kv_cache.attend): the beams of
+    # an input share one read of its keys/values, and only the written part of
+    # the cache is read. Decoding is deterministic: no dropout, no weights.
+    return kv_cache.attend(query, key, value, mask, written), None
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
   q_len, kv_len = query.shape[1], key.shape[1]
   chosen = choose_attention_implementation(
@@ -243,8 +205,12 @@ class MultiHeadAttention(nn.Module):
     """`[batch, kv_length, d_model]` -> K W^K, V W^V `[batch, kv_length, heads, d_k]`."""
     return self.key(inputs_kv), self.value(inputs_kv)
 
-  def attend(self, inputs_q: Array, key: Array, value: Array, mask: Array | None) -> Array:
-    """Attention of `inputs_q` `[batch, q_length, d_model]` to projected keys/values."""
+  def attend(self, inputs_q: Array, key: Array, value: Array, mask: Array | None, *,
+             cached: bool = False, written: Array | None = None) -> Array:
+    """Attention of `inputs_q` `[batch, q_length, d_model]` to projected keys and
+    values `[batch, kv_length, heads, d_k]`; in decoding (`cached`, `written`:
+    see `scaled_dot_product_attention`) one position per row against keys and
+    values in `kv_cache`'s layout. -> `[batch, q_length, d_model]`."""
     cfg = self.config
     dropout_rng = None
     if not self.deterministic and cfg.attention_dropout_rate > 0:
@@ -252,16 +218,10 @@ class MultiHeadAttention(nn.Module):
     heads, weights = scaled_dot_product_attention(
         self.query(inputs_q), key, value, mask, dropout_rate=cfg.attention_dropout_rate,
         dropout_rng=dropout_rng, return_weights=self.is_mutable_collection("intermediates"),
-        implementation=cfg.attention_implementation)
+        implementation=cfg.attention_implementation, cached=cached, written=written)
     if weights is not None:
       self.sow("intermediates", "attention_weights", weights)
     return self.out(heads)  # Concat(heads) W^O
-
-  def attend_step(self, inputs_q: Array, key: Array, value: Array, mask: Array,
-                  written: Array | None = None) -> Array:
-    """The same attention for one decoding step, against keys/values in
-    `kv_cache`'s layout: inputs_q `[batch * beams, 1, d_model]` -> same shape."""
-    return self.out(kv_cache.attend(self.query(inputs_q), key, value, mask, written))
 
 
 class FeedForward(nn.Module):
@@ -392,8 +352,24 @@ class DecoderLayer(nn.Module):
 
   def step(self, y: Array, cache: dict, memory: tuple[Array, Array],
            cross_mask: Array, self_mask: Array, index: Array) -> tuple[Array, dict]:
-    """Decoding: this layer for position `index` only (`kv_cache.layer_step`)."""
-    return kv_cache.layer_step(self, y, cache, memory, cross_mask, self_mask, index)
+    """Decoding: the same three sub-layers for position `index` only, of `batch *
+    beams` rows: y `[batch * beams, 1, d_model]` -> (same shape, this layer's
+    `cache` with the position's keys/values written). Masked self-attention
+    reads the positions written so far (`self_mask`: each beam its own
+    history, `kv_cache.self_attention_mask`); encoder-decoder attention reads
+    `memory`, the keys/values computed once from the encoder output."""
+    def self_attention(h):
+      nonlocal cache
+      cache = kv_cache.write(cache, *self.self_attention.project_key_value(h), index)
+      return self.self_attention.attend(h, cache["key"], cache["value"], self_mask,
+                                        cached=True, written=index + 1)
+
+    def cross_attention(h):
+      return self.cross_attention.attend(h, *memory, cross_mask, cached=True)
+
+    y = self.self_attention_norm(y, self_attention)
+    y = self.cross_attention_norm(y, cross_attention)
+    return self.feed_forward_norm(y, self.feed_forward), cache
 
 
 class _ScannedEncoderLayer(EncoderLayer):
@@ -442,7 +418,7 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
   """Output embedding, N decoder layers, (final LayerNorm when pre-LN), logits.
   `__call__` runs the whole target at once (training, scoring); decoding runs
-  one position at a time (`memory`, then `kv_cache.decoder_step`)."""
+  one position at a time (`memory` once, then `step`)."""
 
   config: TransformerConfig
   embeddings: Embeddings
@@ -490,6 +466,26 @@ class Decoder(nn.Module):
     if self.config.scan_layers:
       return self.layers.memory(encoded, None)[1]
     return [layer.memory(encoded) for layer in self.layers]
+
+  def step(self, tokens: Array, cache: dict, memory, cross_mask: Array,
+           logits_kernel: Array | None) -> tuple[Array, dict]:
+    """Decoding: one position of every row, tokens `[batch * beams]` (the
+    previous ones) -> logits `[batch * beams, vocab]` and the cache with this
+    position written. `memory`: `Decoder.memory`'s; `cross_mask` `[batch, 1, 1,
+    1, src_length]`; `logits_kernel`: see `Transformer.logits_kernel`."""
+    index = cache["index"]
+    self_mask, ancestry = kv_cache.self_attention_mask(cache)
+    positions = jnp.full((tokens.shape[0], 1), index, jnp.int32)
+    y = self.input_embedding(tokens[:, None], positions)
+    if self.config.scan_layers:
+      y, layers = self.layers.step(y, cache["layers"], memory, cross_mask, self_mask, index)
+    else:
+      layers = []
+      for layer, layer_cache, layer_memory in zip(self.layers, cache["layers"], memory):
+        y, layer_cache = layer.step(y, layer_cache, layer_memory, cross_mask, self_mask, index)
+        layers.append(layer_cache)
+    return (self.logits(y[:, 0], logits_kernel),
+            {"index": index + 1, "ancestry": ancestry, "layers": layers})
 
 
 class Transformer(nn.Module):
@@ -579,8 +575,8 @@ class Transformer(nn.Module):
     (BOS first; row b * beams + j is beam j of input b), a `kv_cache.init_cache`
     cache and the `encoder_memory` of the `batch` inputs -> float32 logits
     `[batch * beams, vocab]` of the next token, and the cache."""
-    return kv_cache.decoder_step(self.decoder, token_ids, cache, memory["key_value"],
-                                 memory["mask"], memory["logits_kernel"])
+    return self.decoder.step(token_ids, cache, memory["key_value"], memory["mask"],
+                             memory["logits_kernel"])
 
 
 def init_params(config: TransformerConfig, rng: Array, src_length: int = 8,
@@ -600,33 +596,3 @@ def count_params(config_or_params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(config_or_params)))
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
-_CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu"),
-            "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
-            "param_dtype": _DTYPES, "attention_implementation": (None, "xla", "cudnn")}
-
-
-def _check_config(config: TransformerConfig) -> None:
-  """Raises a ValueError naming the first field of `config` with a bad value."""
-  def check(field, ok, problem):
-    if not ok(getattr(config, field)):
-      raise ValueError(f"TransformerConfig.{field}={getattr(config, field)!r}: {problem}")
-
-  for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len",
-                "num_encoder_layers", "num_decoder_layers"):
-    check(field, lambda v: isinstance(v, int) and v >= 1, "must be a positive integer")
-  check("d_model", lambda v: v % config.num_heads == 0, f"must be divisible by num_heads="
-        f"{config.num_heads} (each head gets d_model / num_heads dimensions)")
-  for field in ("dropout_rate", "attention_dropout_rate"):
-    check(field, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
-  for field, choices in _CHOICES.items():
-    check(field, lambda v: v in choices, f"must be one of {choices} (the first is the default)")
-  for field in ("pad_id", "eos_id", "bos_id"):
-    check(field, lambda v: 0 <= v < config.vocab_size,
-          f"must be a token id in [0, vocab_size={config.vocab_size})")
-  # Forcing cuDNN where it cannot run fails here, not deep inside a jit trace.
-  cudnn = cudnn_problem(config.dtype, config.head_dim, config.attention_dropout_rate,
-                         max_head_dim=256) if config.attention_implementation == "cudnn" else None
-  check("attention_implementation", lambda v: cudnn is None,
-        f"{cudnn}; change that, or set attention_implementation=None (cuDNN where "
-        "it applies, else XLA) or 'xla'")

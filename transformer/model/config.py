@@ -1,0 +1,101 @@
+"""The Transformer's hyper-parameters, with the paper's names (Table 3), and the
+checks that name a bad field before anything is traced."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from transformer.model.attention_choice import cudnn_problem
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyper-parameters of the Transformer. Defaults are the paper's base model."""
+
+  vocab_size: int = 37000          # shared source/target vocabulary
+  d_model: int = 512               # width of every residual-stream vector
+  num_heads: int = 8               # h
+  d_ff: int = 2048                 # inner width of the feed-forward network
+  num_encoder_layers: int = 6      # N (encoder)
+  num_decoder_layers: int = 6      # N (decoder)
+  max_len: int = 256               # longest sequence (learned positions, checks)
+  dropout_rate: float = 0.1        # P_drop: sub-layer outputs, embeddings + PE
+  attention_dropout_rate: float = 0.0  # on the attention weights (not in the paper)
+  share_embeddings: bool = True    # one embedding for source and target tokens
+  logits_via_embedding: bool = True  # pre-softmax projection = embedding^T
+  normalization: str = "post"      # "post" (paper) or "pre" (LayerNorm first)
+  activation: str = "relu"         # feed-forward non-linearity: "relu" or "gelu"
+  positional: str = "sinusoidal"   # "sinusoidal" (paper) or "learned"
+  layer_norm_epsilon: float = 1e-6
+  dtype: str = "float32"           # compute dtype ("bfloat16" on accelerators)
+  param_dtype: str = "float32"     # storage dtype of the parameters
+  scan_layers: bool = False        # stack layers with nn.scan (flat compile time)
+  remat: bool = False              # recompute layer activations in the backward pass
+  attention_implementation: str | None = None  # None (by machine), "xla", "cudnn": see
+                                               # choose_attention_implementation
+  pad_id: int = 0
+  eos_id: int = 1
+  bos_id: int = 2
+
+  def __post_init__(self):
+    _check_config(self)  # a ValueError naming the field and what it must be
+
+  @property
+  def head_dim(self) -> int:
+    """d_k = d_v = d_model / h."""
+    return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def params_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  def replace(self, **changes) -> "TransformerConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, values) -> "TransformerConfig":
+    """Builds a config from a mapping, ignoring keys that are not fields."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(values).items() if k in names})
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu"),
+            "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
+            "param_dtype": _DTYPES, "attention_implementation": (None, "xla", "cudnn")}
+
+
+def _check_config(config: TransformerConfig) -> None:
+  """Raises a ValueError naming the first field of `config` with a bad value."""
+  def check(field, ok, problem):
+    if not ok(getattr(config, field)):
+      raise ValueError(f"TransformerConfig.{field}={getattr(config, field)!r}: {problem}")
+
+  for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len",
+                "num_encoder_layers", "num_decoder_layers"):
+    check(field, lambda v: isinstance(v, int) and v >= 1, "must be a positive integer")
+  check("d_model", lambda v: v % config.num_heads == 0, f"must be divisible by num_heads="
+        f"{config.num_heads} (each head gets d_model / num_heads dimensions)")
+  for field in ("dropout_rate", "attention_dropout_rate"):
+    check(field, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
+  for field, choices in _CHOICES.items():
+    check(field, lambda v: v in choices, f"must be one of {choices} (the first is the default)")
+  for field in ("pad_id", "eos_id", "bos_id"):
+    check(field, lambda v: 0 <= v < config.vocab_size,
+          f"must be a token id in [0, vocab_size={config.vocab_size})")
+  # Forcing cuDNN where it cannot run fails here, not deep inside a jit trace.
+  cudnn = cudnn_problem(config.dtype, config.head_dim, config.attention_dropout_rate,
+                         max_head_dim=256) if config.attention_implementation == "cudnn" else None
+  check("attention_implementation", lambda v: cudnn is None,
+        f"{cudnn}; change that, or set attention_implementation=None (cuDNN where "
+        "it applies, else XLA) or 'xla'")
