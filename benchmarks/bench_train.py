@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks import common
 from transformer.runtime import parallel
-from transformer.training import loop as training
+from transformer.training import steps as steps_lib
 
 
 def optimizer_config(warmup_steps=4000):
@@ -57,12 +57,12 @@ def compile_train_step(name, dropout, compiler_options=None, **overrides):
   sharded, the state replicated): -> (compiled, initial state, batch, seconds
   to compile). `compiled(state, batch)` -> (state, metrics); the state is donated."""
   config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout, **overrides)
-  optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
+  optimizer, schedule = steps_lib.make_optimizer(optimizer_config(), config.d_model)
   mesh = parallel.make_mesh()
   replicated = parallel.replicated(mesh)
   batch_sharding = NamedSharding(mesh, PartitionSpec(None, parallel.DATA_AXIS))
-  state = jax.device_put(training.create_train_state(config, optimizer, seed=0), replicated)
-  step = jax.jit(lambda s, b: training.train_step(
+  state = jax.device_put(steps_lib.create_train_state(config, optimizer, seed=0), replicated)
+  step = jax.jit(lambda s, b: steps_lib.train_step(
       s, b, model_config=config, optimizer=optimizer, schedule=schedule,
       label_smoothing=0.1, mesh=mesh), in_shardings=(replicated, batch_sharding),
       out_shardings=(replicated, replicated), donate_argnums=0)
@@ -78,9 +78,9 @@ def bench_shape(name, dropout, repeats):
   neighbour that slows the machine slows both (the figures are medians)."""
   config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
   compiled, state, data, compile_s = compile_train_step(name, dropout)
-  optimizer, schedule = training.make_optimizer(optimizer_config(), config.d_model)
+  optimizer, schedule = steps_lib.make_optimizer(optimizer_config(), config.d_model)
   matmuls, operands, matmul_flops = common.matmuls_alone(
-      lambda s, b: training.train_step(s, b, model_config=config, optimizer=optimizer,
+      lambda s, b: steps_lib.train_step(s, b, model_config=config, optimizer=optimizer,
                                        schedule=schedule, label_smoothing=0.1), state, data)
   flops = common.training_flops_per_step(config, batch, src_len, tgt_len)
   assert abs(matmul_flops - flops) <= 0.01 * flops, (matmul_flops, flops)  # the FLOP model

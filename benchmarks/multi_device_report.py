@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from benchmarks import common  # noqa: E402
 from transformer.model import transformer as model_lib
 from transformer.runtime import parallel
-from transformer.training import loop as training  # noqa: E402
+from transformer.training import run_setup, steps as steps_lib  # noqa: E402
 
 CONFIGS = ("default", "small_corpus", "wmt14_base", "wmt14_big")
 ROWS, LENGTH, MICRO_BATCHES = 16, 64, 2
@@ -62,8 +62,8 @@ def load_config(name: str, state_sharding: str):
 
 def state_bytes_per_device(config, model_config, mesh) -> int:
   """Bytes of one device's share of the train state, from shapes alone."""
-  optimizer, _ = training.make_optimizer(config, model_config.d_model)
-  abstract = jax.eval_shape(lambda: training.create_train_state(model_config, optimizer, 0))
+  optimizer, _ = steps_lib.make_optimizer(config, model_config.d_model)
+  abstract = jax.eval_shape(lambda: steps_lib.create_train_state(model_config, optimizer, 0))
   shardings = parallel.state_shardings(abstract, mesh, config.state_sharding)
   total = 0
   for x, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
@@ -76,12 +76,12 @@ def state_bytes_per_device(config, model_config, mesh) -> int:
 
 def step_program(config, model_config, mesh) -> str:
   """The compiled train step's HLO text (the trainer's `jit_train_step`)."""
-  optimizer, schedule = training.make_optimizer(config, model_config.d_model)
-  abstract = jax.eval_shape(lambda: training.create_train_state(model_config, optimizer, 0))
+  optimizer, schedule = steps_lib.make_optimizer(config, model_config.d_model)
+  abstract = jax.eval_shape(lambda: steps_lib.create_train_state(model_config, optimizer, 0))
   shardings = parallel.state_shardings(abstract, mesh, config.state_sharding)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                        abstract, shardings)
-  step, rows = training.jit_train_step(config, model_config, optimizer, schedule, mesh, shardings)
+  step, rows = steps_lib.jit_train_step(config, model_config, optimizer, schedule, mesh, shardings)
   batch = {k: jax.ShapeDtypeStruct((MICRO_BATCHES, ROWS, LENGTH), np.int32, sharding=rows)
            for k in ("inputs", "targets", "inputs_segment_ids", "targets_segment_ids",
                      "inputs_positions", "targets_positions")}
@@ -96,7 +96,7 @@ def largest_u32(hlo: str) -> int:
 
 def report_row(name: str, state_sharding: str, mesh) -> dict:
   config = load_config(name, state_sharding)
-  model_config = training.model_config_from(config, config.vocab_size)
+  model_config = run_setup.model_config_from(config, config.vocab_size)
   start = time.perf_counter()
   hlo = step_program(config, model_config, mesh)
   row = {"config": name, "state": state_sharding, "compile_s": time.perf_counter() - start}

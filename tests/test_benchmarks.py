@@ -129,7 +129,7 @@ def test_collectives_finds_each_with_its_loop_and_bytes():
 # micro-batches (and 1, replicated): per collective (all-reduce, reduce-scatter, all-gather), its
 # float32 bytes inside loops and outside; the parameters' float32 bytes; the
 # train state's bytes on one device; for each mode: "replicated" and "fsdp" (the
-# trainer's step: training.jit_train_step), and "jit" (train_step under plain
+# trainer's step: steps_lib.jit_train_step), and "jit" (train_step under plain
 # jit, replicated: what the trainer did before shard_map). One process for all
 # three: JAX starts once.
 _STEP_COLLECTIVES = """
@@ -139,18 +139,18 @@ sys.path.insert(0, "tests")
 import train_worker
 from benchmarks import common
 from transformer.runtime import parallel
-from transformer.training import loop as training
+from transformer.training import run_setup, steps as steps_lib
 result = {}
 for mode, accum in [("replicated", 1), ("replicated", 4), ("fsdp", 4), ("jit", 4)]:
   config = train_worker.tiny_config({"grad_accum_steps": accum, "model.dtype": "bfloat16",
                                      "state_sharding": "fsdp" if mode == "fsdp" else "replicated"})
-  model_config = training.model_config_from(config, 128)
-  optimizer, schedule = training.make_optimizer(config, model_config.d_model)
+  model_config = run_setup.model_config_from(config, 128)
+  optimizer, schedule = steps_lib.make_optimizer(config, model_config.d_model)
   mesh = parallel.make_mesh()
-  state, shardings = training.init_train_state(config, model_config, optimizer, mesh)
-  step, rows = training.jit_train_step(config, model_config, optimizer, schedule, mesh, shardings)
+  state, shardings = steps_lib.init_train_state(config, model_config, optimizer, mesh)
+  step, rows = steps_lib.jit_train_step(config, model_config, optimizer, schedule, mesh, shardings)
   if mode == "jit":
-    step = jax.jit(lambda s, b: training.train_step(
+    step = jax.jit(lambda s, b: steps_lib.train_step(
         s, b, model_config=model_config, optimizer=optimizer, schedule=schedule,
         label_smoothing=0.1), in_shardings=(shardings, rows), out_shardings=(shardings, None))
   batch = {k: jax.device_put(np.ones((accum, 16, 32), np.int32), rows) for k in (

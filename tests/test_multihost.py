@@ -40,6 +40,7 @@ from transformer.data import pipeline as data
 from transformer.training import metrics
 from transformer.runtime import multihost
 from transformer.training import loop as training
+from transformer.training import run_setup
 from transformer.runtime import workdir as workdir_lib  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer.runtime import run_lock, run_log
@@ -114,7 +115,7 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
   workdir = str(multihost.resolve("gs://bucket/run"))
   with caplog.at_level(logging.INFO, logger="transformer"):
     with run_lock.hold(workdir), run_log.run_log(workdir) as log:
-      tokenizer = training.get_tokenizer(config, workdir, train_pairs)
+      tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs)
   assert log is None
   assert "cannot be locked" in caplog.text and "logging to the console only" in caplog.text
   stored = fake_bucket / "bucket" / "run" / workdir_lib.VOCAB_FILE
@@ -122,13 +123,13 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
   assert not (fake_bucket / "bucket" / "run" / workdir_lib.LOCK_FILE).exists()
   assert list((tmp_path / "cwd").iterdir()) == []   # (os.path: cwd/gs:/bucket/run/...)
 
-  model_config = training.model_config_from(config, tokenizer.vocab_size)
+  model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
   workdir_lib.save_configs(workdir, config.to_dict(), model_config)
   assert workdir_lib.check_config(workdir, config.to_dict()) == []
   assert workdir_lib.load_model_config(workdir) == model_config
   assert workdir_lib.vocab_path(workdir) == "gs://bucket/run/vocab.model"
   workdir_lib.check_files(workdir)
-  again = training.get_tokenizer(config, workdir, [])   # read back, not trained
+  again = run_setup.get_tokenizer(config, workdir, [])   # read back, not trained
   assert again.serialized_model() == tokenizer.serialized_model()
   assert (tokenizer_lib.load_tokenizer(workdir_lib.vocab_path(workdir)).serialized_model()
           == tokenizer.serialized_model())

@@ -44,6 +44,7 @@ from transformer.runtime import checkpoints
 from transformer.data import pipeline as data
 from transformer.training import stall
 from transformer.training import loop as training  # noqa: E402
+from transformer.training import run_setup, steps as steps_lib  # noqa: E402
 from transformer.training import time_budget  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer.runtime import workdir as workdir_lib  # noqa: E402
@@ -95,8 +96,8 @@ def load_params(workdir, which="latest"):
 def state_target(workdir, overrides):
   config = train_worker.tiny_config(overrides)
   model_config = workdir_lib.load_model_config(str(workdir))
-  optimizer, _ = training.make_optimizer(config, model_config.d_model)
-  return jax.eval_shape(lambda: training.create_train_state(model_config, optimizer, config.seed))
+  optimizer, _ = steps_lib.make_optimizer(config, model_config.d_model)
+  return jax.eval_shape(lambda: steps_lib.create_train_state(model_config, optimizer, config.seed))
 
 
 def load_state(workdir, overrides, step=None):
@@ -200,7 +201,7 @@ def test_cross_entropy_sums_is_kl_to_the_smoothed_targets(eps):
   weights[2, 1:] = 0
   # A padding position with huge logits must not leak in.
   logits[0, 5] = 1e4
-  got = jax.jit(training.cross_entropy_sums, static_argnums=3)(
+  got = jax.jit(steps_lib.cross_entropy_sums, static_argnums=3)(
       logits, targets, weights, eps)
   want = reference_sums(logits, targets, weights, eps)
   assert set(got) == set(want)
@@ -213,7 +214,7 @@ def test_cross_entropy_sums_is_kl_to_the_smoothed_targets(eps):
   if eps > 0:
     q = np.full((3, 7, 11), eps / 10)
     np.put_along_axis(q, targets[..., None], 1.0 - eps, axis=-1)
-    best = training.cross_entropy_sums(jnp.log(q.astype(np.float32)), targets, weights, eps)
+    best = steps_lib.cross_entropy_sums(jnp.log(q.astype(np.float32)), targets, weights, eps)
     assert abs(float(best["loss"])) < 1e-4 * want["weight"]
 
 
@@ -223,7 +224,7 @@ def paper_lr(step, d_model, warmup, scale=1.0):
 
 def test_learning_rate_schedule_is_the_papers():
   for d_model, warmup, scale in [(512, 4000, 1.0), (32, 50, 2.0)]:
-    schedule = training.learning_rate_schedule(d_model, warmup, scale)
+    schedule = steps_lib.learning_rate_schedule(d_model, warmup, scale)
     # optax counts updates from 0; update number `step` (from 1) uses count step - 1.
     for step in [1, 2, warmup // 2, warmup - 1, warmup, warmup + 1, 10 * warmup]:
       np.testing.assert_allclose(float(schedule(step - 1)), paper_lr(step, d_model, warmup, scale),
@@ -233,13 +234,13 @@ def test_learning_rate_schedule_is_the_papers():
     np.testing.assert_allclose(values.max(), scale * (d_model * warmup) ** -0.5, rtol=1e-5)
   # The paper's base model: 512^-0.5 * 4000^-0.5 ~ 7e-4 at the peak.
   np.testing.assert_allclose(
-      float(training.learning_rate_schedule(512, 4000)(3999)), 6.9877e-4, rtol=1e-4)
+      float(steps_lib.learning_rate_schedule(512, 4000)(3999)), 6.9877e-4, rtol=1e-4)
 
 
 def test_first_adam_update_uses_the_step_one_rate():
   """make_optimizer: Adam(0.9, 0.98, eps) on the schedule, first update = -lr(1) * sign(g)."""
   config = train_worker.tiny_config({"adam_eps": 1e-9})
-  optimizer, _ = training.make_optimizer(config, d_model=32)
+  optimizer, _ = steps_lib.make_optimizer(config, d_model=32)
   params = {"w": jnp.zeros(5)}
   grads = {"w": jnp.array([0.5, -2.0, 1e-3, -1e-4, 3.0])}
   updates, state = optimizer.update(grads, optimizer.init(params), params)
@@ -263,12 +264,12 @@ def test_first_adam_update_uses_the_step_one_rate():
 def test_gradient_accumulation_equals_one_big_batch(tokenizer):
   import optax
   config = train_worker.tiny_config({"model.dropout_rate": 0.0})
-  model_config = training.model_config_from(config, tokenizer.vocab_size)
-  _, schedule = training.make_optimizer(config, model_config.d_model)
+  model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
+  _, schedule = steps_lib.make_optimizer(config, model_config.d_model)
   # Plain SGD with rate 1: the change of the params *is* the (negative) gradient,
   # scale included (Adam's first step, ~ -lr * sign(g), would hide a wrong scale).
   optimizer = optax.sgd(1.0)
-  state = jax.jit(lambda: training.create_train_state(model_config, optimizer, seed=0),
+  state = jax.jit(lambda: steps_lib.create_train_state(model_config, optimizer, seed=0),
                   compiler_options=FAST_COMPILE)()
   it = data.train_iterator(data.load_split(config.data, "train"), tokenizer, batch_size=4,
                            max_length=config.max_length, seed=0, pack=False, prefetch=0)
@@ -278,7 +279,7 @@ def test_gradient_accumulation_equals_one_big_batch(tokenizer):
   assert weights[0] != weights[1]  # unequal token counts: a plain mean would be wrong
 
   step = jax.jit(functools.partial(
-      training.train_step, model_config=model_config, optimizer=optimizer,
+      steps_lib.train_step, model_config=model_config, optimizer=optimizer,
       schedule=schedule, label_smoothing=config.label_smoothing), compiler_options=FAST_COMPILE)
   accumulated = {k: np.stack([m[k] for m in micro]) for k in micro[0]}          # [2, 4, L]
   concatenated = {k: np.concatenate([m[k] for m in micro])[None] for k in micro[0]}  # [1, 8, L]
@@ -295,7 +296,7 @@ def test_gradient_accumulation_equals_one_big_batch(tokenizer):
   assert_params_close(g_acc, g_cat, atol=1e-6)
   # The gradient is that of the mean loss per target token of the whole batch.
   flat_batch = {k: v[0] for k, v in concatenated.items()}
-  mean_loss = lambda p: (lambda s: s["loss"] / s["weight"])(training.eval_step(
+  mean_loss = lambda p: (lambda s: s["loss"] / s["weight"])(steps_lib.eval_step(
       p, flat_batch, model_config=model_config, label_smoothing=config.label_smoothing))
   reference = jax.jit(jax.grad(mean_loss), compiler_options=FAST_COMPILE)(state["params"])
   assert_params_close(g_cat, reference, atol=1e-6)
@@ -407,7 +408,7 @@ def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, refe
 
   def unreachable(*args, **kwargs):
     raise AssertionError("got past the config check")
-  for owner, name in [(data, "load_split"), (training, "get_tokenizer"),
+  for owner, name in [(data, "load_split"), (run_setup, "get_tokenizer"),
                       (checkpoints, "Checkpointer")]:
     monkeypatch.setattr(owner, name, unreachable)
   changed = dict(REF, num_train_steps=40, batch_size=32, **{"model.d_model": 64})
@@ -479,8 +480,8 @@ def replay_two_shards(workdir, overrides, num_steps):
   config = train_worker.tiny_config(overrides)
   tok = tokenizer_lib.load_tokenizer(str(workdir / "vocab.model"))
   model_config = workdir_lib.load_model_config(str(workdir))
-  optimizer, schedule = training.make_optimizer(config, model_config.d_model)
-  state = jax.jit(lambda: training.create_train_state(model_config, optimizer, config.seed),
+  optimizer, schedule = steps_lib.make_optimizer(config, model_config.d_model)
+  state = jax.jit(lambda: steps_lib.create_train_state(model_config, optimizer, config.seed),
                   compiler_options=FAST_COMPILE)()
   pairs = data.load_split(config.data, "train")
   iterators = [data.train_iterator(pairs, tok, batch_size=config.batch_size // 2,
@@ -488,7 +489,7 @@ def replay_two_shards(workdir, overrides, num_steps):
                                    shard_index=i, shard_count=2, pack=config.pack, prefetch=0)
                for i in range(2)]
   step = jax.jit(functools.partial(
-      training.train_step, model_config=model_config, optimizer=optimizer,
+      steps_lib.train_step, model_config=model_config, optimizer=optimizer,
       schedule=schedule, label_smoothing=config.label_smoothing), compiler_options=FAST_COMPILE)
   sums = {"loss": 0.0, "weight": 0.0}
   for _ in range(num_steps):
@@ -653,7 +654,7 @@ def test_killed_anywhere_resumes_exactly_soak(seed, tmp_path, reference_run, com
 
 
 def nan_rate_from(count):
-  """Wraps training.learning_rate_schedule: NaN from update `count` (0-based) on."""
+  """Wraps steps_lib.learning_rate_schedule: NaN from update `count` (0-based) on."""
   def make(original):
     def schedule_fn(*args, **kwargs):
       schedule = original(*args, **kwargs)
@@ -670,8 +671,8 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(case, tmp_path, reference_
   ref_dir, _ = reference_run
   workdir = tmp_path / "workdir"
   shutil.copytree(ref_dir, workdir)
-  monkeypatch.setattr(training, "learning_rate_schedule",
-                      nan_rate_from(26)(training.learning_rate_schedule))
+  monkeypatch.setattr(steps_lib, "learning_rate_schedule",
+                      nan_rate_from(26)(steps_lib.learning_rate_schedule))
   if case == "caught_by_the_log":
     # Logs at 25 (fine) and 30 (NaN); the next checkpoint would be at 32.
     overrides = dict(REF, num_train_steps=40)

@@ -96,7 +96,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
   import time
   from transformer.runtime import averaging
   from transformer.runtime import checkpoints
-  from transformer.training import loop as training
+  from transformer.training import evaluation, steps as steps_lib
   assert phase in KILL_PHASES, phase
   seen = [0]
 
@@ -108,7 +108,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
   if phase == "step":
-    make_step_fn = training._jit_train_step
+    make_step_fn = steps_lib.jit_local_train_step
 
     def jit_train_step(*args, **kwargs):
       step_fn = make_step_fn(*args, **kwargs)
@@ -120,7 +120,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
           kill()
         return out
       return step
-    training._jit_train_step = jit_train_step
+    steps_lib.jit_local_train_step = jit_train_step
   elif phase == "save":
     save_fn = checkpoints.ProcessJsonCheckpointHandler._save_fn
 
@@ -131,7 +131,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
       return await save_fn(self, text, directory)
     checkpoints.ProcessJsonCheckpointHandler._save_fn = save_data_state
   else:
-    owner, name = {"eval": (training.Evaluator, "__call__"),
+    owner, name = {"eval": (evaluation.Evaluator, "__call__"),
                    "average": (averaging, "average_and_save")}[phase]
     original = getattr(owner, name)
 

@@ -1,0 +1,103 @@
+"""Validation during and after training: the eval loss, accuracy and perplexity,
+and the translation scores (BLEU, chrF, ...) of the first validation pairs."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from transformer.data import pipeline as data
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.decoding import translator as translation
+from transformer.model.config import TransformerConfig
+from transformer.runtime import multihost, parallel
+from transformer.training import metrics as metrics_lib
+from transformer.training.steps import eval_step, global_batch, summarize_sums
+
+
+
+
+class Evaluator:
+  """Validation of the parameters during and after training.
+
+  `evaluator(params, step)` computes the eval loss, token accuracy and
+  perplexity over the eval pairs (the first `config.num_eval_examples`, or
+  all), and when `config.num_bleu_examples` > 0 the BLEU and exact match of the
+  translations of the first ones (`config.eval_decode_method`, beam
+  `config.eval_beam_size`); writes them to the metrics and returns them.
+  `samples` keeps (source, reference, translation) of the last evaluation.
+  One Translator serves every evaluation (the new parameters swapped in), so
+  its decoders compile once.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
+               tokenizer: tokenizer_lib.Tokenizer, eval_pairs, mesh,
+               writer: metrics_lib.MetricsWriter, minutes=None):
+    self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+    self.writer = writer
+    self.loss_pairs = (eval_pairs[:config.num_eval_examples] if config.num_eval_examples
+                       else eval_pairs)
+    self.bleu_pairs = list(eval_pairs[:config.num_bleu_examples])
+    self.samples: list[tuple[str, str, str]] = []
+    self._sharding = NamedSharding(mesh, P("data"))
+    replicated = parallel.replicated(mesh)
+    self._eval_fn = jax.jit(
+        lambda p, b: eval_step(p, b, model_config=model_config,
+                               label_smoothing=config.label_smoothing),
+        # (params as they are: replicated, or split with state_sharding="fsdp")
+        in_shardings=(None, self._sharding), out_shardings=replicated)
+    self._translator: translation.Translator | None = None
+    self.seconds = 0.0                    # of the last evaluation
+    self.seconds_per_sentence = 0.0       # of its translation
+    self.minutes = minutes                # a callable -> training minutes, for the records
+
+  def translator(self, params) -> translation.Translator:
+    """The Translator, holding `params` (its decoders compile once)."""
+    if self._translator is None:
+      self._translator = translation.Translator(self.model_config, params, self.tokenizer)
+    else:
+      self._translator.set_params(params)
+    return self._translator
+
+  def __call__(self, params, step: int, *, averaged: bool = False) -> dict[str, float]:
+    """Evaluates `params` at `step`; the metrics go under "eval", or
+    "eval_averaged" for averaged checkpoints."""
+    start = time.perf_counter()
+    result = self.loss(params)
+    if self.bleu_pairs:
+      result.update(self.translation_scores(params))
+    self.seconds = time.perf_counter() - start
+    record = dict(result, minutes=self.minutes()) if self.minutes is not None else result
+    self.writer.write(step, record, prefix="eval_averaged" if averaged else "eval")
+    return result
+
+  def loss(self, params) -> dict[str, float]:
+    """Per-token eval loss, NLL, accuracy and perplexity (`summarize_sums`)."""
+    sums = None
+    for batch in data.eval_batches(self.loss_pairs, self.tokenizer,
+                                   batch_size=self.config.eval_batch_size,
+                                   max_length=self.config.max_length):
+      batch.pop("weights")
+      out = self._eval_fn(params, global_batch(batch, self._sharding))
+      sums = out if sums is None else jax.tree_util.tree_map(jnp.add, sums, out)
+    return summarize_sums(sums)
+
+  def translation_scores(self, params) -> dict[str, float]:
+    """BLEU, chrF, exact match ... (`metrics.translation_scores`) of the
+    translations of `bleu_pairs`. With several processes each translates its
+    share (`multihost.split_across_processes`) and every process scores them all."""
+    translator = self.translator(params)
+    sources = [source for source, _ in self.bleu_pairs]
+    references = [target for _, target in self.bleu_pairs]
+    start = time.perf_counter()
+    hypotheses = multihost.split_across_processes(
+        lambda share: translator.translate(share, method=self.config.eval_decode_method,
+                                           beam_size=self.config.eval_beam_size),
+        sources, what="validation sentences")
+    self.seconds_per_sentence = (time.perf_counter() - start) / len(sources)
+    self.samples = list(zip(sources, references, hypotheses))
+    return metrics_lib.translation_scores(hypotheses, references)

@@ -1,0 +1,114 @@
+"""What a training run sets up before its first step: the config check (a
+ValueError naming the field), the model config from `config.model` and the
+vocabulary, and the vocabulary itself (trained on the first run, sent from
+process 0 to the others, kept in the workdir so that it alone can decode)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import ml_collections
+from etils import epath
+
+from transformer.data import pipeline as data
+from transformer.data import tokenizer as tokenizer_lib
+from transformer.model.config import TransformerConfig
+from transformer.runtime import multihost, parallel
+from transformer.runtime import workdir as workdir_lib
+
+logger = logging.getLogger(__name__)
+
+
+
+
+def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
+  """The TransformerConfig of `config.model`, with the vocabulary's size and ids."""
+  fields = dict(config.model)
+  fields.update(vocab_size=vocab_size, pad_id=tokenizer_lib.PAD_ID,
+                eos_id=tokenizer_lib.EOS_ID, bos_id=tokenizer_lib.BOS_ID)
+  try:
+    return TransformerConfig.from_dict(fields)
+  except ValueError as e:
+    raise ValueError(f"{e} (set it with --config.model.<field>=...)") from e
+
+
+def _unknown_model_fields(config) -> list[str]:
+  names = {f.name for f in dataclasses.fields(TransformerConfig)}
+  return sorted(set(config.model.keys()) - names)
+
+
+def get_tokenizer(config, workdir: str, train_pairs, *,
+                  shared: bool = True) -> tokenizer_lib.Tokenizer:
+  """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
+  trained on the training data the first time.
+
+  Process 0 reads or trains it and sends it to the other processes (as
+  bytes: only process 0 reads config.vocab_path or the workdir's copy). It
+  is written to <workdir>/vocab.model when that is missing, so that the
+  workdir alone is enough to decode: by process 0, and with workdirs of their
+  own (`shared=False`) by every process into its own (replacing a copy that
+  differs from process 0's)."""
+  path = os.path.join(workdir, workdir_lib.VOCAB_FILE)
+  is_main = jax.process_index() == 0
+  model, error = None, None
+  if is_main:
+    try:
+      if config.get("vocab_path"):
+        model = tokenizer_lib.load_tokenizer(config.vocab_path).serialized_model()
+      elif epath.Path(path).exists():
+        model = tokenizer_lib.load_tokenizer(path).serialized_model()
+      else:
+        logger.info("Training a SentencePiece vocabulary of %d pieces -> %s",
+                    config.vocab_size, path)
+        model = tokenizer_lib.train_tokenizer(
+            data.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
+            path if multihost.is_local(path) else None, config.vocab_size,
+            model_type=config.get("vocab_model_type", "unigram")).serialized_model()
+    except Exception as e:  # (the others wait for the vocabulary: send them nothing)
+      if jax.process_count() == 1:
+        raise
+      model, error = b"", e
+  model = multihost.broadcast_bytes(model)
+  if error is not None:
+    raise error
+  if not model:
+    raise RuntimeError("Process 0 could not make the vocabulary; see its error.")
+  if is_main or not shared:
+    stored = epath.Path(path).read_bytes() if epath.Path(path).exists() else None
+    if stored is None or (stored != model and not is_main):
+      if stored is not None:
+        logger.warning("%s differs from process 0's vocabulary: replaced by it.", path)
+      multihost.write_file(path, model)
+  return tokenizer_lib.Tokenizer(model, model_path=config.get("vocab_path") or path)
+
+
+def check_train_config(config) -> None:
+  unknown = _unknown_model_fields(config)
+  if unknown:
+    raise ValueError(f"config.model has unknown field(s) {unknown}; valid fields are "
+                     f"{sorted(f.name for f in dataclasses.fields(TransformerConfig))}.")
+  for name in ("num_train_steps", "batch_size", "max_length", "grad_accum_steps",
+               "log_every", "eval_every", "checkpoint_every"):
+    if int(config[name]) < 1:
+      raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if config.get("state_sharding", "replicated") not in parallel.STATE_SHARDINGS:
+    raise ValueError(f"config.state_sharding={config.state_sharding!r} must be one of "
+                     f"{parallel.STATE_SHARDINGS}.")
+  if float(config.get("train_minutes", 0)) < 0:
+    raise ValueError(f"config.train_minutes={config.train_minutes} must be >= 0 "
+                     "(0: no time budget).")
+  if config.eval_batch_size % jax.local_device_count():
+    raise ValueError(f"config.eval_batch_size={config.eval_batch_size} must be a multiple "
+                     f"of the {jax.local_device_count()} local devices.")
+  if config.batch_size % jax.process_count():
+    raise ValueError(f"config.batch_size={config.batch_size} must be divisible by the "
+                     f"number of processes ({jax.process_count()}).")
+  local_rows = config.batch_size // jax.process_count()
+  if local_rows % jax.local_device_count():
+    raise ValueError(
+        f"config.batch_size={config.batch_size} gives {local_rows} rows per process, not "
+        f"divisible by the {jax.local_device_count()} local devices; use a multiple of "
+        f"{jax.device_count()}.")
