@@ -19,7 +19,7 @@ import optax
 import pytest
 
 from transformer.runtime import averaging
-from transformer.runtime import checkpoints
+from transformer.runtime import checkpoints, orbax_items
 from transformer.runtime import disk_space
 
 REPO = Path(__file__).resolve().parents[1]
@@ -334,7 +334,7 @@ def test_a_full_disk_in_a_background_write_is_one_clear_error(learnt_by, tmp_pat
   ckpt = checkpoints.Checkpointer(tmp_path, keep=3)
   assert ckpt.save(1, _random_state(1), {"step": 1})
   ckpt.wait()
-  monkeypatch.setattr(checkpoints.ProcessJsonCheckpointHandler, "_save_fn", _no_space)
+  monkeypatch.setattr(orbax_items.ProcessJsonCheckpointHandler, "_save_fn", _no_space)
   assert ckpt.save(2, _random_state(2), {"step": 2})     # started; fails in the background
   with pytest.raises(disk_space.DiskFullError) as info:
     if learnt_by == "wait":

@@ -95,7 +95,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
   import threading
   import time
   from transformer.runtime import averaging
-  from transformer.runtime import checkpoints
+  from transformer.runtime import orbax_items
   from transformer.training import evaluation, steps as steps_lib
   assert phase in KILL_PHASES, phase
   seen = [0]
@@ -122,14 +122,14 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
       return step
     steps_lib.jit_local_train_step = jit_train_step
   elif phase == "save":
-    save_fn = checkpoints.ProcessJsonCheckpointHandler._save_fn
+    save_fn = orbax_items.ProcessJsonCheckpointHandler._save_fn
 
     async def save_data_state(self, text, directory):
       if due():
         time.sleep(delay)
         kill()
       return await save_fn(self, text, directory)
-    checkpoints.ProcessJsonCheckpointHandler._save_fn = save_data_state
+    orbax_items.ProcessJsonCheckpointHandler._save_fn = save_data_state
   else:
     owner, name = {"eval": (evaluation.Evaluator, "__call__"),
                    "average": (averaging, "average_and_save")}[phase]

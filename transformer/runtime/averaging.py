@@ -29,10 +29,11 @@ from etils import epath
 
 from transformer.runtime import multihost
 from transformer.runtime.checkpoints import (AVERAGED_DIR, CHECKPOINT_DIR, META_ITEM, PARAMS_ITEM,
-                                     PARAMS_KEY, STATE_ITEM, abstract_target,
-                                     checkpoint_steps, manager_options, multiprocessing_options,
-                                     pytree_handler, pytree_save, restore_params_from_state,
-                                     step_dir)
+                                             PARAMS_KEY, STATE_ITEM, checkpoint_steps,
+                                             restore_params_from_state, step_dir)
+from transformer.runtime.orbax_items import (abstract_target, manager_options,
+                                             multiprocessing_options, pytree_handler,
+                                             pytree_save)
 from transformer.runtime.disk_space import (SPACE_MARGIN, DiskFullError, is_disk_full,
                                     remove_unfinished, tree_bytes)
 
