@@ -40,10 +40,10 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from transformer.data import text_io
-from transformer.decoding import translator as translation
-from transformer.runtime import workdir as workdir_lib
-from transformer.runtime import errors
 from transformer.decoding import loader
+from transformer.decoding import translator as translation
+from transformer.runtime import errors
+from transformer.runtime import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "

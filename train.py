@@ -18,7 +18,6 @@ import traceback
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
-from transformer.runtime import run_lock, run_log
 
 
 def _exit_if_unknown_config_field(error: Exception) -> None:
@@ -75,8 +74,8 @@ def _user_error_message(error: Exception, workdir: str) -> str | None:
   """The console's message for an error a user can meet and fix (its words
   say what to do); None for anything else, a bug."""
   from transformer.runtime import disk_space
+  from transformer.runtime import run_lock
   from transformer.training import loop as training
-  from transformer.runtime import workdir as workdir_lib
   if not isinstance(error, disk_space.DiskFullError) and disk_space.is_disk_full(error):
     return (f"the disk is full ({error}). Free space on the disk of {workdir}, then run "
             "the same command again: training resumes from its last checkpoint.")
@@ -93,8 +92,7 @@ def _user_error_message(error: Exception, workdir: str) -> str | None:
 def _report_bug(error: Exception, workdir: str) -> str:
   """The console's message for a bug: where its traceback is, or, when the
   run failed before writing its log, the traceback itself (printed here)."""
-  from transformer.runtime import multihost
-  from transformer.runtime import workdir as workdir_lib
+  from transformer.runtime import multihost, run_log
   log = run_log.log_path(str(multihost.resolve(workdir)))
   if os.path.exists(log):
     where = f"; the full traceback is in {log}"

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from transformer.data import pipeline as data
+from transformer.data import sources as data_sources
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.data.demo_task import demo_splits
 from transformer.data.tokenizer import EOS_ID, PAD_ID
@@ -31,7 +32,7 @@ def demo():
 def tok(demo, tmp_path_factory):
   path = str(tmp_path_factory.mktemp("vocab") / "vocab.model")
   return tokenizer_lib.train_tokenizer(
-      data.sample_sentences(demo["train"]), path, vocab_size=400, model_type="bpe")
+      data_sources.sample_sentences(demo["train"]), path, vocab_size=400, model_type="bpe")
 
 
 def _expected(tok, pair, max_length=None):
@@ -87,34 +88,34 @@ def _check_shapes(batch, batch_size, max_length):
 def test_read_tsv(tmp_path):
   path = tmp_path / "train.tsv"
   path.write_bytes("\ufeffHello\tHallo\r\ngreat street\tgroße Straße\nempty target\t\n".encode())
-  assert data.read_parallel_tsv(str(path)) == [
+  assert data_sources.read_parallel_tsv(str(path)) == [
       ("Hello", "Hallo"), ("great street", "große Straße"), ("empty target", "")]
   path.write_text("a\tb\nc\td")  # no newline at the end
-  assert data.read_parallel_tsv(str(path)) == [("a", "b"), ("c", "d")]
+  assert data_sources.read_parallel_tsv(str(path)) == [("a", "b"), ("c", "d")]
 
 
 def test_read_two_files(tmp_path):
   (tmp_path / "s.txt").write_text("one\ntwo\n\nfour\n", encoding="utf-8")
   (tmp_path / "t.txt").write_text("eins\nzwei\n\nvier\n", encoding="utf-8")
-  assert data.read_parallel_files(str(tmp_path / "s.txt"), str(tmp_path / "t.txt")) == [
+  assert data_sources.read_parallel_files(str(tmp_path / "s.txt"), str(tmp_path / "t.txt")) == [
       ("one", "eins"), ("two", "zwei"), ("", ""), ("four", "vier")]
 
 
 def test_missing_file(tmp_path):
   path = str(tmp_path / "nope.tsv")
-  with pytest.raises(data.DataError, match="nope.tsv.*not found"):
-    data.read_parallel_tsv(path)
+  with pytest.raises(data_sources.DataError, match="nope.tsv.*not found"):
+    data_sources.read_parallel_tsv(path)
   (tmp_path / "t.txt").write_text("x\n")
-  with pytest.raises(data.DataError, match="nope.tsv"):
-    data.read_parallel_files(path, str(tmp_path / "t.txt"))
+  with pytest.raises(data_sources.DataError, match="nope.tsv"):
+    data_sources.read_parallel_files(path, str(tmp_path / "t.txt"))
 
 
 @pytest.mark.parametrize("content", ["", "\n \r\n\t\n"])  # nothing, or only blank lines
 def test_empty_file(tmp_path, content):
   path = tmp_path / "empty.tsv"
   path.write_text(content)
-  with pytest.raises(data.DataError) as info:
-    data.read_parallel_tsv(str(path))
+  with pytest.raises(data_sources.DataError) as info:
+    data_sources.read_parallel_tsv(str(path))
   assert str(info.value) == f"{path}: file is empty (line 1). Put one example per line."
 
 
@@ -122,8 +123,8 @@ def test_mismatched_line_counts(tmp_path):
   src, tgt = tmp_path / "train.en", tmp_path / "train.de"
   src.write_text("a\nb\nc\n")
   tgt.write_text("x\ny\n")
-  with pytest.raises(data.DataError) as info:
-    data.read_parallel_files(str(src), str(tgt))
+  with pytest.raises(data_sources.DataError) as info:
+    data_sources.read_parallel_files(str(src), str(tgt))
   msg = str(info.value)
   assert f"{src}:3" in msg and "line 3" in msg and "3 lines" in msg and "2" in msg
   assert str(tgt) in msg
@@ -133,8 +134,8 @@ def test_mismatched_line_counts(tmp_path):
 def test_tsv_line_without_exactly_one_tab(tmp_path, line, what):
   path = tmp_path / "bad.tsv"
   path.write_text(f"a\tb\nc\td\n{line}\ne\tf\n")
-  with pytest.raises(data.DataError) as info:
-    data.read_parallel_tsv(str(path))
+  with pytest.raises(data_sources.DataError) as info:
+    data_sources.read_parallel_tsv(str(path))
   msg = str(info.value)
   assert f"{path}:3" in msg and "line 3" in msg and what in msg
 
@@ -142,15 +143,15 @@ def test_tsv_line_without_exactly_one_tab(tmp_path, line, what):
 def test_non_utf8_bytes(tmp_path):
   path = tmp_path / "latin1.tsv"
   path.write_bytes(b"a\tb\nStra\xdfe\tstreet\n")
-  with pytest.raises(data.DataError) as info:
-    data.read_parallel_tsv(str(path))
+  with pytest.raises(data_sources.DataError) as info:
+    data_sources.read_parallel_tsv(str(path))
   msg = str(info.value)  # text_io.NotUtf8Error's message (tested in test_text_io.py)
   assert msg.startswith(f"{path}:2: line 2, column 5: byte 0xdf is not valid UTF-8")
   assert f"iconv -f latin1 -t utf-8 {path}" in msg
   good = tmp_path / "good.txt"
   good.write_text("x\ny\n")
-  with pytest.raises(data.DataError, match=r"latin1.tsv:2"):
-    data.read_parallel_files(str(good), str(path))
+  with pytest.raises(data_sources.DataError, match=r"latin1.tsv:2"):
+    data_sources.read_parallel_files(str(good), str(path))
 
 
 # ---------------------------------------------------------------------------
@@ -161,33 +162,33 @@ def test_non_utf8_bytes(tmp_path):
 def test_load_split_from_config(tmp_path, demo):
   cfg = ml_collections.ConfigDict(dict(source="demo", demo_seed=0, demo_num_train=2000,
                                        demo_num_eval=100, demo_num_test=100))
-  assert data.load_split(cfg, "train") == demo["train"]
-  assert data.load_split(cfg, "eval") == demo["eval"]
+  assert data_sources.load_split(cfg, "train") == demo["train"]
+  assert data_sources.load_split(cfg, "eval") == demo["eval"]
 
   (tmp_path / "train.tsv").write_text("a\tb\n")
   cfg = ml_collections.ConfigDict(dict(source="tsv", train_path=str(tmp_path / "train.tsv"),
                                        eval_path=""))
-  assert data.load_split(cfg, "train") == [("a", "b")]
-  with pytest.raises(data.DataError, match=r"config\.data\.eval_path"):
-    data.load_split(cfg, "eval")
+  assert data_sources.load_split(cfg, "train") == [("a", "b")]
+  with pytest.raises(data_sources.DataError, match=r"config\.data\.eval_path"):
+    data_sources.load_split(cfg, "eval")
 
   (tmp_path / "e.en").write_text("x\n")
   (tmp_path / "e.de").write_text("y\n")
   cfg = {"source": "files", "eval_src": str(tmp_path / "e.en"), "eval_tgt": str(tmp_path / "e.de")}
-  assert data.load_split(cfg, "eval") == [("x", "y")]
+  assert data_sources.load_split(cfg, "eval") == [("x", "y")]
 
 
 def test_unknown_source_names_the_option():
   cfg = ml_collections.ConfigDict(dict(source="csv"))
-  with pytest.raises(data.DataError, match=r"config\.data\.source='csv'"):
-    data.load_split(cfg, "train")
+  with pytest.raises(data_sources.DataError, match=r"config\.data\.source='csv'"):
+    data_sources.load_split(cfg, "train")
 
 
 def test_sample_sentences(demo):
-  got = list(data.sample_sentences(demo["train"], max_sentences=10))
+  got = list(data_sources.sample_sentences(demo["train"], max_sentences=10))
   assert len(got) == 10
   assert got[0:2] == list(demo["train"][0]) and got[-2:] == list(demo["train"][-1])
-  assert len(list(data.sample_sentences(demo["eval"]))) == 2 * len(demo["eval"])
+  assert len(list(data_sources.sample_sentences(demo["eval"]))) == 2 * len(demo["eval"])
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +199,7 @@ def test_sample_sentences(demo):
 def test_tfds_source_with_mock_data(tmp_path):
   tfds = pytest.importorskip("tensorflow_datasets")
   with tfds.testing.mock_data(num_examples=24):
-    pairs = data.read_tfds("wmt14_translate/de-en", "train", "en", "de")
+    pairs = data_sources.read_tfds("wmt14_translate/de-en", "train", "en", "de")
     assert len(pairs) == 24
     examples = [pairs[i] for i in range(len(pairs))]
     assert all(isinstance(s, str) and isinstance(t, str) for s, t in examples)
@@ -207,7 +208,7 @@ def test_tfds_source_with_mock_data(tmp_path):
     assert examples == [(text(raw[i]["en"]), text(raw[i]["de"])) for i in range(24)]
     assert len(set(examples)) > 1 and examples[0][0] != examples[0][1]
     tok = tokenizer_lib.train_tokenizer(
-        data.sample_sentences(pairs), str(tmp_path / "v.model"), vocab_size=60)
+        data_sources.sample_sentences(pairs), str(tmp_path / "v.model"), vocab_size=60)
     it = data.train_iterator(pairs, tok, batch_size=4, max_length=48, seed=0)
     for _ in range(3):
       batch = next(it)
@@ -217,15 +218,15 @@ def test_tfds_source_with_mock_data(tmp_path):
     cfg = ml_collections.ConfigDict(dict(
         source="tfds", tfds_name="wmt14_translate/de-en", tfds_eval_split="validation",
         source_lang="en", target_lang="de", tfds_data_dir=None))
-    evals = data.load_split(cfg, "eval")
+    evals = data_sources.load_split(cfg, "eval")
     batches = list(data.eval_batches(evals, tok, batch_size=5, max_length=48))
     assert len(batches) == 5 and sum(int(b["weights"].sum()) for b in batches) == 24
 
 
 def test_tfds_not_prepared_is_a_clear_error(tmp_path):
   pytest.importorskip("tensorflow_datasets")
-  with pytest.raises(data.DataError) as info:
-    data.read_tfds("wmt14_translate/de-en", "train", "en", "de", data_dir=str(tmp_path))
+  with pytest.raises(data_sources.DataError) as info:
+    data_sources.read_tfds("wmt14_translate/de-en", "train", "en", "de", data_dir=str(tmp_path))
   msg = str(info.value)
   assert "wmt14_translate/de-en" in msg
   assert "tfds build wmt14_translate/de-en --file_format=array_record" in msg
@@ -290,7 +291,7 @@ def test_long_examples_dropped_or_truncated(demo, tok):
                                              seed=0, pack=False), 21, 2)
   assert _expected(tok, long_pair, 32) not in dropped and len(dropped) == 20
 
-  with pytest.raises(data.DataError, match="max_length=4"):
+  with pytest.raises(data_sources.DataError, match="max_length=4"):
     data.train_iterator(pairs, tok, batch_size=4, max_length=4, seed=0)
 
   kept = _count_until(data.train_iterator(pairs, tok, batch_size=4, max_length=32, seed=0,

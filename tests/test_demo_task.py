@@ -5,6 +5,7 @@ import collections
 import pytest
 
 from transformer.data import pipeline as data
+from transformer.data import sources as data_sources
 from transformer.data import demo_task
 from transformer.data import tokenizer as tokenizer_lib
 
@@ -19,7 +20,7 @@ def tok(demo, tmp_path_factory):
   """The vocabulary the module docstring recommends."""
   path = str(tmp_path_factory.mktemp("vocab") / "vocab.model")
   return tokenizer_lib.train_tokenizer(
-      data.sample_sentences(demo["train"]), path, vocab_size=400, model_type="bpe")
+      data_sources.sample_sentences(demo["train"]), path, vocab_size=400, model_type="bpe")
 
 
 @pytest.mark.parametrize("n, english, german", [

@@ -36,10 +36,9 @@ sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
 from helpers import free_port, run_together, subprocess_env  # noqa: E402
 
-from transformer.data import pipeline as data
+from transformer.data import sources as data_sources
 from transformer.training import metrics
 from transformer.runtime import multihost
-from transformer.training import loop as training
 from transformer.training import run_setup
 from transformer.runtime import workdir as workdir_lib  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
@@ -111,7 +110,7 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
   """The vocabulary, configs, metrics, lock and log of a gs:// workdir:
   written to and read from the bucket, nothing under the current directory."""
   config = train_worker.tiny_config()
-  train_pairs = data.load_split(config.data, "train")
+  train_pairs = data_sources.load_split(config.data, "train")
   workdir = str(multihost.resolve("gs://bucket/run"))
   with caplog.at_level(logging.INFO, logger="transformer"):
     with run_lock.hold(workdir), run_log.run_log(workdir) as log:
@@ -290,12 +289,12 @@ def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # ... and the split evaluation is that of one process decoding everything.
   config = train_worker.tiny_config(dict(SEPARATE, num_train_steps=40))
-  test_pairs = data.load_split(config.data, "test")
+  test_pairs = data_sources.load_split(config.data, "test")
   expected = translators[1].translate([s for s, _ in test_pairs], method="greedy")
   assert len(set(expected)) > 1   # (distinct translations: the order is checked)
   for disk in disks:
     assert (disk / "test_translations.txt").read_text() == "".join(h + "\n" for h in expected)
-  bleu_pairs = data.load_split(config.data, "eval")[:5]
+  bleu_pairs = data_sources.load_split(config.data, "eval")[:5]
   hypotheses = translators[1].translate([s for s, _ in bleu_pairs], method="greedy")
   scores = metrics.translation_scores(hypotheses, [t for _, t in bleu_pairs])
   records = [json.loads(line) for line in (disks[0] / "metrics.jsonl").read_text().splitlines()]

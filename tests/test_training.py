@@ -42,6 +42,7 @@ from helpers import free_port, run_checked, run_together, subprocess_env  # noqa
 from transformer.runtime import averaging
 from transformer.runtime import checkpoints
 from transformer.data import pipeline as data
+from transformer.data import sources as data_sources
 from transformer.training import stall
 from transformer.training import loop as training  # noqa: E402
 from transformer.training import run_setup, steps as steps_lib  # noqa: E402
@@ -154,9 +155,9 @@ def read_tensorboard_tags(directory) -> dict[str, list[int]]:
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
   config = train_worker.tiny_config()
-  pairs = data.load_split(config.data, "train")
+  pairs = data_sources.load_split(config.data, "train")
   path = tmp_path_factory.mktemp("vocab") / "vocab.model"
-  return tokenizer_lib.train_tokenizer(data.sample_sentences(pairs), str(path),
+  return tokenizer_lib.train_tokenizer(data_sources.sample_sentences(pairs), str(path),
                                        config.vocab_size, model_type=config.vocab_model_type)
 
 
@@ -271,7 +272,7 @@ def test_gradient_accumulation_equals_one_big_batch(tokenizer):
   optimizer = optax.sgd(1.0)
   state = jax.jit(lambda: steps_lib.create_train_state(model_config, optimizer, seed=0),
                   compiler_options=FAST_COMPILE)()
-  it = data.train_iterator(data.load_split(config.data, "train"), tokenizer, batch_size=4,
+  it = data.train_iterator(data_sources.load_split(config.data, "train"), tokenizer, batch_size=4,
                            max_length=config.max_length, seed=0, pack=False, prefetch=0)
   micro = [next(it) for _ in range(2)]
   it.close()
@@ -408,7 +409,7 @@ def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, refe
 
   def unreachable(*args, **kwargs):
     raise AssertionError("got past the config check")
-  for owner, name in [(data, "load_split"), (run_setup, "get_tokenizer"),
+  for owner, name in [(data_sources, "load_split"), (run_setup, "get_tokenizer"),
                       (checkpoints, "Checkpointer")]:
     monkeypatch.setattr(owner, name, unreachable)
   changed = dict(REF, num_train_steps=40, batch_size=32, **{"model.d_model": 64})
@@ -483,7 +484,7 @@ def replay_two_shards(workdir, overrides, num_steps):
   optimizer, schedule = steps_lib.make_optimizer(config, model_config.d_model)
   state = jax.jit(lambda: steps_lib.create_train_state(model_config, optimizer, config.seed),
                   compiler_options=FAST_COMPILE)()
-  pairs = data.load_split(config.data, "train")
+  pairs = data_sources.load_split(config.data, "train")
   iterators = [data.train_iterator(pairs, tok, batch_size=config.batch_size // 2,
                                    max_length=config.max_length, seed=config.seed,
                                    shard_index=i, shard_count=2, pack=config.pack, prefetch=0)

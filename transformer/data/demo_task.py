@@ -1,7 +1,7 @@
 """The built-in demo task: English number phrases -> German, generated offline.
 
 `demo_splits` gives deterministic train / eval / test lists of (English,
-German) sentence pairs; `data.load_split` serves them for
+German) sentence pairs; `sources.load_split` serves them for
 ``config.data.source = "demo"`` (configs/default.py). No files, no network: a
 model learns it on a laptop CPU in minutes, and it needs re-ordering, so
 cross-attention is not trivial.

@@ -29,6 +29,7 @@ import ml_collections
 import numpy as np
 
 from transformer.data import pipeline as data
+from transformer.data import sources as data_sources
 from transformer.model import attention_choice
 from transformer.runtime import averaging, checkpoints, multihost, parallel, run_lock, run_log
 from transformer.runtime import workdir as workdir_lib
@@ -120,9 +121,9 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
     logger.info("config.%s: %s -> %s (allowed on resume)", name, stored, requested)
 
   if train_pairs is None:
-    train_pairs = data.load_split(config.data, "train")
+    train_pairs = data_sources.load_split(config.data, "train")
   if eval_pairs is None:
-    eval_pairs = data.load_split(config.data, "eval")
+    eval_pairs = data_sources.load_split(config.data, "eval")
   tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs, shared=shared)
   model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
   logger.info("%s", attention_choice.attention_implementation_name(model_config))
@@ -141,8 +142,8 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   stack.callback(writer.close)
-  test_pairs = (data.load_split(config.data, "test")
-                if config.get("test_report", True) and data.has_split(config.data, "test")
+  test_pairs = (data_sources.load_split(config.data, "test")
+                if config.get("test_report", True) and data_sources.has_split(config.data, "test")
                 else [])
   budget = _time_budget(config, ckpt, len(test_pairs), started)
   evaluate = evaluation.Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer,

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 from etils import epath
 
-from transformer.data import pipeline as data
+from transformer.data import sources as data_sources
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
 from transformer.runtime import multihost, parallel
@@ -64,7 +64,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
         logger.info("Training a SentencePiece vocabulary of %d pieces -> %s",
                     config.vocab_size, path)
         model = tokenizer_lib.train_tokenizer(
-            data.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
+            data_sources.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
             path if multihost.is_local(path) else None, config.vocab_size,
             model_type=config.get("vocab_model_type", "unigram")).serialized_model()
     except Exception as e:  # (the others wait for the vocabulary: send them nothing)
