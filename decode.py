@@ -40,7 +40,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from transformer.data import text_io
-from transformer.decoding import loader
+from transformer.decoding import loader, output
 from transformer.decoding import translator as translation
 from transformer.runtime import errors
 from transformer.runtime import workdir as workdir_lib
@@ -208,7 +208,7 @@ def run() -> None:
   stats = dict(translator.last_stats)
   if n_best > 1 and method == "sample":  # samples come unordered: best first
     results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]
-  lines = translation.output_lines(sources, results, n_best)
+  lines = output.output_lines(sources, results, n_best)
   if len(lines) != len(sources):  # the contract of this tool; never write a misaligned file
     raise WorkdirError(f"internal error: {len(sources)} inputs gave {len(lines)} outputs")
   try:
@@ -223,9 +223,9 @@ def run() -> None:
     plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
                                                 progress=not quiet)
   if not quiet:
-    print(translation.summary_line(stats, method=method, checkpoint=described, plots=plots),
+    print(output.summary_line(stats, method=method, checkpoint=described, plots=plots),
           file=sys.stderr)
-  if warning := translation.truncation_warning(stats, translator.config.max_len):
+  if warning := output.truncation_warning(stats, translator.config.max_len):
     print(warning, file=sys.stderr)
 
 

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer.decoding import search as decoding
+from transformer.decoding import sampling, search as decoding
+from transformer.decoding import top_k as top_k_lib
 
 try:
   from scipy import stats
@@ -502,7 +503,7 @@ def test_filter_logits_keeps_the_top_k_then_the_nucleus():
   # Static settings here (Python numbers take other code paths than traced).
   for top_k, top_p in [(3, 1.0), (4, 0.6), (0, 0.0), (VOCAB, 0.9)]:
     kept = np.isfinite(jit(functools.partial(
-        decoding.filter_logits, top_k=top_k, top_p=top_p))(logits))
+        sampling.filter_logits, top_k=top_k, top_p=top_p))(logits))
     for row, kept_row in zip(logits, kept):
       expected = ref_filtered_probs(row, top_k=top_k, top_p=top_p) > 0
       np.testing.assert_array_equal(kept_row, expected, err_msg=f"{top_k, top_p}")
@@ -522,7 +523,7 @@ DRAWS = 20000  # Rows of one-step sampling runs: i.i.d. draws of one input.
 def test_sampling_frequencies_match_the_filtered_distribution(temperature, top_k,
                                                               top_p):
   table = random_table(31, VOCAB, scale=1.0)
-  seqs, _ = run(decoding.sample, table, [7] * DRAWS, max_len=1, bos_id=0,
+  seqs, _ = run(sampling.sample, table, [7] * DRAWS, max_len=1, bos_id=0,
                 eos_id=1, rng=jax.random.key(1234), temperature=temperature,
                 top_k=top_k, top_p=top_p)
   logits = table[_hash(7 % N_STATES, 0, 0)]
@@ -557,7 +558,7 @@ def test_sampled_draws_are_independent_across_rows_and_steps():
   row = np.random.default_rng(91).normal(size=VOCAB) * 0.5
   row[eos_id] = -np.inf  # No EOS, so that step 1 is always drawn.
   table = np.tile(row, (N_STATES, 1)).astype(np.float32)
-  seqs, _ = run(decoding.sample, table, [0] * DRAWS, max_len=2, bos_id=0,
+  seqs, _ = run(sampling.sample, table, [0] * DRAWS, max_len=2, bos_id=0,
                 eos_id=eos_id, rng=jax.random.key(99))
   dof = (VOCAB - 2) ** 2
   # p = 1e-3 for a chi-square with 64 dof is at a statistic of 104.7.
@@ -574,7 +575,7 @@ def test_sampling_stays_inside_top_k_and_nucleus_at_every_step(top_k, top_p):
   bos_id, eos_id, min_len = 0, 9, 2
   table = random_table(41, VOCAB, scale=1.0)
   offsets = list(range(300))
-  seqs, scores = run(decoding.sample, table, offsets, max_len=MAX_LEN,
+  seqs, scores = run(sampling.sample, table, offsets, max_len=MAX_LEN,
                      bos_id=bos_id, eos_id=eos_id, min_len=min_len,
                      rng=jax.random.key(7), top_k=top_k, top_p=top_p)
   for b, offset in enumerate(offsets):
@@ -597,18 +598,18 @@ def test_sampling_at_temperature_zero_is_greedy():
   greedy = run(decoding.greedy_search, table, OFFSETS, **kw)
   # A traced temperature: 0 exactly, and tending to 0.
   for temperature in (0.0, 1e-6):
-    cold = run(decoding.sample, table, OFFSETS, rng=jax.random.key(3),
+    cold = run(sampling.sample, table, OFFSETS, rng=jax.random.key(3),
                temperature=temperature, **kw)
     np.testing.assert_array_equal(cold[0], greedy[0])
     np.testing.assert_allclose(cold[1], greedy[1], rtol=1e-6)
   # A static (Python) 0 takes the argmax path without drawing.
   model = make_hash_model(table, MAX_LEN)
-  cold = jit(lambda c: decoding.sample(
+  cold = jit(lambda c: sampling.sample(
       model, c, rng=jax.random.key(3), batch_size=len(OFFSETS), temperature=0,
       **kw))(init_hash_cache(OFFSETS, MAX_LEN))
   np.testing.assert_array_equal(cold[0], greedy[0])
   # ... and at temperature 1 it is not greedy (so the comparison can fail).
-  hot = run(decoding.sample, table, OFFSETS, rng=jax.random.key(3), **kw)
+  hot = run(sampling.sample, table, OFFSETS, rng=jax.random.key(3), **kw)
   assert not np.array_equal(hot[0], greedy[0])
 
 
@@ -619,7 +620,7 @@ def test_sampling_at_temperature_zero_is_greedy():
 
 STRATEGIES = {
     "greedy": (decoding.greedy_search, {}),
-    "sample": (decoding.sample, dict(rng=jax.random.key(5))),
+    "sample": (sampling.sample, dict(rng=jax.random.key(5))),
     "beam": (decoding.beam_search, dict(beam_size=3)),
 }
 
@@ -665,7 +666,7 @@ def test_top_k_large_equals_lax_top_k(n, k, ties):
   x = np.where(rng.random((4, n)) < 0.3, -np.inf, x).astype(np.float32)
   x[3, :] = -np.inf  # a row with nothing finite (an input whose beams are all empty)
   x[3, n - 5] = 1.0
-  values, indices = jax.jit(decoding.top_k_large, static_argnums=1)(jnp.asarray(x), k)
+  values, indices = jax.jit(top_k_lib.top_k_large, static_argnums=1)(jnp.asarray(x), k)
   want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
   np.testing.assert_array_equal(values, want_values)
   np.testing.assert_array_equal(indices, want_indices)
@@ -701,7 +702,7 @@ def test_beam_candidates_top_k_equals_top_k_of_the_candidates(ties):
     logits = rng.integers(0, 4, (batch, beams, vocab)).astype(np.float32)
     # A later block with the largest entry: the blocks must still be read in
     # index order for the ties of 3 to resolve as lax.top_k does.
-    logits[0, 0, 5 * decoding.TOP_K_BLOCK + 3] = 9.0
+    logits[0, 0, 5 * top_k_lib.TOP_K_BLOCK + 3] = 9.0
   else:
     logits = rng.normal(size=(batch, beams, vocab)).astype(np.float32) * 3
   logits[:, :, 1] = -np.inf  # e.g. EOS forbidden by min_len
@@ -710,7 +711,7 @@ def test_beam_candidates_top_k_equals_top_k_of_the_candidates(ties):
                     [-0.5, -0.5, -0.5, -0.5]], np.float32)  # equal beams
   want = jnp.asarray(alive)[:, :, None] + jax.nn.log_softmax(jnp.asarray(logits))
   want_values, want_indices = jax.lax.top_k(want.reshape(batch, -1), k)
-  values, indices = jax.jit(decoding._beam_candidates_top_k, static_argnums=2)(
+  values, indices = jax.jit(top_k_lib.beam_candidates_top_k, static_argnums=2)(
       jnp.asarray(logits), jnp.asarray(alive), k)
   np.testing.assert_array_equal(values, want_values)
   np.testing.assert_array_equal(indices, want_indices)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from transformer.decoding import translator as translation
+from transformer.decoding import output, translator as translation
 from transformer.runtime import errors
 
 
@@ -68,11 +68,11 @@ def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():
 
 def test_output_lines_one_per_source_whatever_the_translations_hold():
   sources = ["a", "", "   ", "b"]
-  assert translation.output_lines(sources, ["x\ty", "", "", "two\nlines\r"], n_best=1) == [
+  assert output.output_lines(sources, ["x\ty", "", "", "two\nlines\r"], n_best=1) == [
       "x\ty", "", "", "two lines "]                  # a tab is kept with one hypothesis
   n_best = [[("x", -1.0), ("x\ty", -2.0)], [("", 0.0)] * 2, [("", 0.0)] * 2,
             [("p\nq", -0.5), ("r", -0.7)]]
-  assert translation.output_lines(sources, n_best, n_best=2) == [
+  assert output.output_lines(sources, n_best, n_best=2) == [
       "x\tx y", "", "", "p q\tr"]                     # tabs only between hypotheses
 
 
@@ -82,19 +82,19 @@ STATS = {"sentences": 8, "decoded": 6, "truncated": 0, "generated_tokens": 120,
 
 
 def test_summary_line():
-  assert translation.summary_line(STATS, method="beam", checkpoint="step 300") == (
+  assert output.summary_line(STATS, method="beam", checkpoint="step 300") == (
       "decoded 8 sentences (6 non-empty), 120 tokens generated in 3.0 s (compiling "
       "2.0 s; 116.5 tokens/s decoding), beam, step 300")
-  line = translation.summary_line(dict(STATS, devices=2), method="sample",
+  line = output.summary_line(dict(STATS, devices=2), method="sample",
                                   checkpoint="averaged steps [200, 300]", plots=6)
   assert line.endswith("sample, averaged steps [200, 300], on 2 devices, 6 attention plots")
-  assert translation.summary_line(STATS, method="beam", checkpoint="", plots=0).endswith(
+  assert output.summary_line(STATS, method="beam", checkpoint="", plots=0).endswith(
       ", 0 attention plots")
 
 
 def test_truncation_warning_counts_in_words():
-  assert translation.truncation_warning(STATS, max_len=128) is None
-  assert translation.truncation_warning(dict(STATS, truncated=1), max_len=128) == (
+  assert output.truncation_warning(STATS, max_len=128) is None
+  assert output.truncation_warning(dict(STATS, truncated=1), max_len=128) == (
       "warning: 1 input line longer than the model's max_len=128 tokens was truncated")
-  assert translation.truncation_warning(dict(STATS, truncated=3), max_len=64) == (
+  assert output.truncation_warning(dict(STATS, truncated=3), max_len=64) == (
       "warning: 3 input lines longer than the model's max_len=64 tokens were truncated")

@@ -1,4 +1,4 @@
-"""Decoding strategies: greedy search, beam search and sampling.
+"""Decoding strategies: greedy search and beam search (sampling: `sampling.py`).
 
 Everything here is pure and jittable, batched, and model-agnostic: a strategy
 only sees a callable
@@ -64,13 +64,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from transformer.decoding.top_k import NEG_INF, beam_candidates_top_k
+
 PyTree = Any
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
 
 # Decode steps run between two "is everything finished?" checks.
 EARLY_EXIT_CHUNK = 8
 
-NEG_INF = -np.inf
 
 
 # ---------------------------------------------------------------------------
@@ -102,102 +103,6 @@ def _check_cache(cache: PyTree, batch_size: int) -> None:
 def _map_batched(fn, cache: PyTree) -> PyTree:
   """Applies `fn` to cache leaves with a batch axis; scalars pass through."""
   return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else fn(x), cache)
-
-
-# Block size of `top_k_large`'s first pass.
-TOP_K_BLOCK = 128
-
-
-def top_k_large(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """`lax.top_k(x, k)` for rows much longer than k, e.g. beam search's
-  beams x vocabulary candidates: the same values and indices (ties: the lower
-  index first), in two cheap passes instead of one expensive one.
-
-  On CPU `lax.top_k` costs about as much per element as a sort (1.5 ms for
-  16 x 32768, as much as the decoder's largest matmul). Instead: split each
-  row into blocks of TOP_K_BLOCK, take the maximum of every block, keep the k
-  blocks with the largest maxima (they hold the k largest entries: a block
-  outside them has k blocks above it, hence k larger entries), and run
-  `lax.top_k` on those k blocks only, in index order so ties resolve as in
-  `lax.top_k`.
-
-  x: [batch, n] float; k: static. Returns ([batch, k] values, [batch, k] int32).
-  """
-  batch, n = x.shape
-  block = TOP_K_BLOCK
-  if n < 8 * k * block:  # Too small to gain anything.
-    return lax.top_k(x, k)
-  num_blocks = -(-n // block)
-  padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - n)), constant_values=NEG_INF)
-  blocks = padded.reshape(batch, num_blocks, block)
-  return _top_k_in_best_blocks(blocks, jnp.max(blocks, axis=-1), k)
-
-
-def _top_k_in_best_blocks(blocks: jax.Array, block_maxima: jax.Array, k: int,
-                          transform=None) -> tuple[jax.Array, jax.Array]:
-  """The second pass of `top_k_large`: the k best entries of the k blocks with
-  the largest maxima, read in index order so ties resolve as in `lax.top_k`.
-
-  blocks: [batch, num_blocks, block]; block_maxima: [batch, num_blocks], the
-  maximum of each block after `transform`; transform(chosen [batch, k, block],
-  best_blocks [batch, k]) -> the values to rank (a map that never decreases,
-  applied to the chosen blocks only), or None. Returns ([batch, k] values,
-  [batch, k] int32 indices into num_blocks * block).
-  """
-  batch, _, block = blocks.shape
-  _, best_blocks = lax.top_k(block_maxima, k)
-  best_blocks = jnp.sort(best_blocks, axis=-1)  # index order: ties as lax.top_k
-  chosen = jnp.take_along_axis(blocks, best_blocks[:, :, None], axis=1)  # [batch, k, block]
-  if transform is not None:
-    chosen = transform(chosen, best_blocks)
-  values, flat = lax.top_k(chosen.reshape(batch, k * block), k)
-  indices = jnp.take_along_axis(best_blocks, flat // block, axis=1) * block + flat % block
-  return values, indices.astype(jnp.int32)
-
-
-def _beam_candidates_top_k(logits: jax.Array, alive_log_probs: jax.Array,
-                           k: int) -> tuple[jax.Array, jax.Array]:
-  """The k best one-token extensions of the alive hypotheses: `top_k_large`
-  of `alive_log_probs[:, :, None] + log_softmax(logits)` over beams x vocab,
-  without writing that [batch, beams * vocab] array.
-
-  Every candidate is f(logit) for a per-row map f(x) = alive + ((x - max) -
-  log sum exp(x - max)) that never decreases in x, so the maximum of f over a
-  block of TOP_K_BLOCK logits is f(the block's maximum logit), in floating point
-  too. One pass over the logits takes the block maxima (whose maximum is the
-  row's, for the log-softmax), a second the sum of exponentials; the k best
-  blocks are then picked from f(block maxima) and only their k * block
-  candidates are formed. Same values and indices as `top_k_large` on the
-  candidates (ties: the lower index first).
-
-  logits: [batch, beams, vocab] float32; alive_log_probs: [batch, beams];
-  returns ([batch, k] values, [batch, k] int32 indices into beams * vocab).
-  """
-  batch, beams, vocab = logits.shape
-  block = TOP_K_BLOCK
-  if vocab % block or beams * vocab < 8 * k * block:
-    log_probs = jax.nn.log_softmax(logits)
-    return top_k_large((alive_log_probs[:, :, None] + log_probs).reshape(batch, -1), k)
-  blocks = logits.reshape(batch, beams, vocab // block, block)
-  block_max = jnp.max(blocks, axis=-1)                          # [batch, beams, blocks]
-  row_max = jnp.max(block_max, axis=-1, keepdims=True)
-  # log_softmax(x) = (x - max) - log(sum(exp(x - max))), as jax.nn.log_softmax.
-  log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
-
-  def candidate(x, row_max, log_sum, alive):
-    return alive + ((x - row_max) - log_sum)
-
-  best_of_block = candidate(block_max, row_max, log_sum, alive_log_probs[:, :, None])
-  per_beam = vocab // block
-
-  def candidates_of(chosen, best_blocks):
-    parent = best_blocks // per_beam                               # [batch, k]
-    take = lambda x: jnp.take_along_axis(x, parent, axis=1)[:, :, None]
-    return candidate(chosen, take(row_max[..., 0]), take(log_sum[..., 0]),
-                     take(alive_log_probs))
-
-  return _top_k_in_best_blocks(blocks.reshape(batch, beams * per_beam, block),
-                               best_of_block.reshape(batch, -1), k, candidates_of)
 
 
 def argmax(logits: jax.Array) -> jax.Array:
@@ -289,7 +194,7 @@ class _SamplingState(NamedTuple):
   cache: PyTree
 
 
-def _sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
+def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
                    bos_id, eos_id, min_len):
   """Shared loop of greedy search and sampling.
 
@@ -350,97 +255,10 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     scores: [batch] float32 log-probability of each sequence (sum over its
       tokens, EOS included).
   """
-  return _sampling_loop(
+  return sampling_loop(
       tokens_to_logits, cache, lambda logits, step: argmax(logits),
       batch_size=batch_size, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
       min_len=min_len)
-
-
-def _is_static(x) -> bool:
-  return isinstance(x, (int, float, np.number))
-
-
-def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p=1.0) -> jax.Array:
-  """Masks (-inf) the logits outside the top-k and then the top-p nucleus.
-
-  Args:
-    logits: [batch, vocab] float (already divided by the temperature).
-    top_k: keep the k largest logits (0: no top-k). Ties with the k-th value
-      are kept too.
-    top_p: keep the smallest set of most probable tokens whose probability
-      (renormalised after top-k) reaches top_p; always at least one token.
-      1.0: no top-p.
-
-  Returns:
-    [batch, vocab] logits with the removed tokens at -inf.
-  """
-  vocab = logits.shape[-1]
-  sorted_logits = None  # Descending, for the nucleus.
-  if top_k > 0 and top_k < vocab:
-    sorted_logits, _ = lax.top_k(logits, top_k)
-    kth_largest = sorted_logits[:, -1:]
-    logits = jnp.where(logits < kth_largest, NEG_INF, logits)
-  if not (_is_static(top_p) and top_p >= 1.0):
-    if sorted_logits is None:
-      sorted_logits = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep a token iff the mass of the tokens ranked before it is below top_p:
-    # that is the smallest prefix whose mass reaches top_p.
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p).at[:, 0].set(True)
-    # The smallest kept logit is the threshold; compare logits rather than
-    # scattering the mask back to vocabulary order.
-    threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1,
-                        keepdims=True)
-    keep_all = jnp.asarray(top_p) >= 1.0
-    logits = jnp.where((logits < threshold) & ~keep_all, NEG_INF, logits)
-  return logits
-
-
-def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
-           batch_size: int, max_len: int, bos_id: int, eos_id: int,
-           temperature=1.0, top_k: int = 0, top_p=1.0,
-           min_len: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Ancestral sampling with temperature, top-k and top-p (nucleus) filtering.
-
-  At every step the logits are divided by `temperature`, then restricted to
-  the `top_k` best tokens, then to the top-p nucleus of what is left, and a
-  token is drawn from the renormalised distribution.
-
-  Args:
-    tokens_to_logits: (token_ids [batch] int32, cache) -> (logits [batch,
-      vocab], cache).
-    cache: the model's decoding cache for [batch].
-    rng: PRNG key. Step t uses `fold_in(rng, t)`, so results do not depend on
-      how the loop is chunked.
-    batch_size, max_len: output is [batch_size, max_len].
-    bos_id, eos_id: as in `greedy_search`.
-    temperature: > 0; 0 means greedy (argmax). May be a traced scalar.
-    top_k: static int, 0 disables.
-    top_p: in (0, 1]; 1.0 disables. May be a traced scalar.
-    min_len: EOS is forbidden at steps t < min_len.
-
-  Returns:
-    sequences: [batch, max_len] int32 (EOS included, then 0).
-    scores: [batch] float32 log-probability of each sequence under the model
-      (temperature 1, no top-k / top-p truncation; with the min_len
-      constraint), so samples drawn with different settings are comparable.
-  """
-  if _is_static(temperature) and temperature == 0:
-    choose = lambda logits, step: argmax(logits)
-  else:
-    def choose(logits, step):
-      greedy = jnp.asarray(temperature) <= 0
-      safe_temperature = jnp.where(greedy, 1.0, temperature)
-      filtered = filter_logits(logits / safe_temperature, top_k=top_k,
-                               top_p=top_p)
-      drawn = jax.random.categorical(jax.random.fold_in(rng, step), filtered,
-                                     axis=-1)
-      return jnp.where(greedy, argmax(logits), drawn)
-
-  return _sampling_loop(tokens_to_logits, cache, choose, batch_size=batch_size,
-                        max_len=max_len, bos_id=bos_id, eos_id=eos_id,
-                        min_len=min_len)
 
 
 # ---------------------------------------------------------------------------
@@ -546,7 +364,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     # The 2 * beams best extensions of the alive hypotheses (log-prob of the
     # hypothesis + log_softmax of the next token), per input. Empty alive
     # slots have log-prob -inf, so their extensions stay -inf.
-    topk_log_probs, topk_flat = _beam_candidates_top_k(
+    topk_log_probs, topk_flat = beam_candidates_top_k(
         logits.reshape(batch, beams, vocab), state.alive_log_probs, 2 * beams)
     topk_parents = topk_flat // vocab  # [batch, 2 * beams] beam index
     topk_tokens = (topk_flat % vocab).astype(jnp.int32)
