@@ -218,7 +218,7 @@ def run() -> None:
 
   plots = None
   if plot_dir:
-    from transformer.plotting import figures as plotting  # (matplotlib: only when asked for)
+    from transformer import plotting  # (matplotlib: only when asked for)
     best = results if n_best == 1 else [hyps[0][0] for hyps in results]
     plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
                                                 progress=not quiet)

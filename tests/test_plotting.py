@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from matplotlib.figure import Figure
 
-from transformer.plotting import figures as plotting
+from transformer import plotting
 
 SRC = ["▁one", "▁red", "▁cat", "</s>"]
 TGT = ["▁eine", "▁rote", "▁Katze", "▁", "</s>"]

@@ -61,7 +61,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from transformer.decoding.top_k import NEG_INF, beam_candidates_top_k

@@ -13,7 +13,7 @@ import time
 
 from transformer.training import metrics as metrics_lib
 from transformer.runtime import multihost
-from transformer.plotting import figures as plotting
+from transformer import plotting
 
 TEST_TRANSLATIONS_FILE = "test_translations.txt"
 CURVES_FILE = "curves.png"
