@@ -20,7 +20,7 @@ the averaged checkpoint is used if there is one, else the latest.
 line (numbered from 1): the encoder-decoder (cross) attention of its
 translation (the best hypothesis), one heat-map panel per decoder layer with
 that layer's heads averaged, source pieces on the x axis and target pieces on
-the y axis (see transformer/plotting.py; the notebook also shows single heads).
+the y axis (see transformer/plotting/attention.py; the notebook also shows single heads).
 
 Progress and a one-line summary (sentences, generated tokens, seconds and how
 many of them compiling, tokens/s of the decoding itself, truncated over-long

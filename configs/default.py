@@ -1,5 +1,5 @@
 """The embedded demo: English number phrases -> German, offline, minutes on a CPU
-(the task: transformer/demo_task.py).
+(the task: transformer/data/demo_task.py).
 
     python train.py                          # this config, workdir runs/demo
     python train.py --config.num_train_steps=200 --config.model.d_model=64
@@ -13,7 +13,7 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
-  # Data (transformer/data.py: load_split documents every source's fields).
+  # Data (transformer/data/pipeline.py: load_split documents every source's fields).
   config.data = ml_collections.ConfigDict(dict(
       source="demo",            # demo | tsv | files | tfds
       demo_seed=0, demo_num_train=20_000, demo_num_eval=500, demo_num_test=500,

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 # train.py, decode.py and the API cache compiled programs in ~/.cache by
-# default (transformer/compile_cache.py); tests never write there. A test that
+# default (transformer/runtime/compile_cache.py); tests never write there. A test that
 # wants a cache passes one (the fixture below, helpers.subprocess_env).
 os.environ["TRANSFORMER_COMPILATION_CACHE"] = "off"
 

@@ -1,4 +1,4 @@
-"""Tests for transformer/checkpoints.py (CPU, one device)."""
+"""Tests for transformer/runtime/checkpoints.py (CPU, one device)."""
 
 from __future__ import annotations
 

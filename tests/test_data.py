@@ -1,4 +1,4 @@
-"""Tests for transformer/data.py: sources, grain pipelines (the demo task itself:
+"""Tests for transformer/data/pipeline.py: sources, grain pipelines (the demo task itself:
 test_demo_task.py)."""
 
 import collections

@@ -1,4 +1,4 @@
-"""Tests for transformer/decoding.py.
+"""Tests for transformer/decoding/search.py.
 
 The strategies are checked against references computed independently in
 numpy (float64) from toy models:

@@ -1,4 +1,4 @@
-"""Tests for transformer/demo_task.py: the number phrases, their German, the splits."""
+"""Tests for transformer/data/demo_task.py: the number phrases, their German, the splits."""
 
 import collections
 

@@ -1,4 +1,4 @@
-"""transformer/host_memory.py: with keep_freed_memory() called first, a jitted
+"""transformer/runtime/host_memory.py: with keep_freed_memory() called first, a jitted
 computation's temporary buffer is no longer faulted in afresh on every call."""
 
 import os

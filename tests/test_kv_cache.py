@@ -1,4 +1,4 @@
-"""Tests of transformer/kv_cache.py against float64 numpy attention. (Cached
+"""Tests of transformer/model/kv_cache.py against float64 numpy attention. (Cached
 decoding as a whole, against the full forward pass, is tested in test_model.py.)"""
 
 import jax

@@ -1,4 +1,4 @@
-"""Tests of transformer/layers.py: each speed kernel against the flax / JAX piece
+"""Tests of transformer/model/layers.py: each speed kernel against the flax / JAX piece
 it matches (parameters) and against float64 numpy or autodiff (values, gradients).
 Dropout is tested in test_prng.py."""
 

@@ -1,4 +1,4 @@
-"""transformer/metrics.py: the translation scores a run reports."""
+"""transformer/training/metrics.py: the translation scores a run reports."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Tests of transformer/model.py against independent references (float64 numpy,
+"""Tests of transformer/model/transformer.py against independent references (float64 numpy,
 hand-worked examples, the paper's formulas)."""
 
 import functools

@@ -1,4 +1,4 @@
-"""Tests for transformer/multihost.py: multi-host training without a shared
+"""Tests for transformer/runtime/multihost.py: multi-host training without a shared
 disk (issue 16, point 5).
 
   * paths: a local workdir made absolute, gs://bucket/run left as it is, and

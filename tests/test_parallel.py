@@ -1,4 +1,4 @@
-"""Tests for transformer/parallel.py.
+"""Tests for transformer/runtime/parallel.py.
 
 JAX fixes its device count when the backend starts, so the 8-device and the
 two-process checks run in subprocesses with their own environment (the

@@ -1,4 +1,4 @@
-"""Tests of transformer/plotting.py: the right panels, labels and data; readable PNGs."""
+"""Tests of transformer/plotting/attention.py: the right panels, labels and data; readable PNGs."""
 
 import os
 

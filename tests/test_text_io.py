@@ -1,4 +1,4 @@
-"""Tests for transformer/text_io.py: UTF-8 lines in, whole files out."""
+"""Tests for transformer/data/text_io.py: UTF-8 lines in, whole files out."""
 
 from __future__ import annotations
 

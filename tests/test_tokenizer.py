@@ -1,4 +1,4 @@
-"""Tests for transformer/tokenizer.py (SentencePiece train / load / encode / decode)."""
+"""Tests for transformer/data/tokenizer.py (SentencePiece train / load / encode / decode)."""
 
 import pickle
 

@@ -1,4 +1,4 @@
-"""Tests for transformer/training.py: the loss, the schedule, gradient
+"""Tests for transformer/training/loop.py: the loss, the schedule, gradient
 accumulation, a short demo run, data parallelism (8 simulated devices, two
 processes), exact resume (also after SIGKILL anywhere: the soak test) and the
 NaN stop.
@@ -706,7 +706,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(case, tmp_path, reference_
 
 
 # ----------------------------------------------------------------------------
-# No silent stalls (transformer/stall.py)
+# No silent stalls (transformer/training/stall.py)
 # ----------------------------------------------------------------------------
 
 
@@ -740,7 +740,7 @@ def test_a_stalled_run_is_told_and_a_learning_one_is_not(tmp_path, compilation_c
 
 
 # ----------------------------------------------------------------------------
-# Training for a time budget (transformer/time_budget.py)
+# Training for a time budget (transformer/training/time_budget.py)
 # ----------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""Tests for transformer/translation.py's option check, batch layout and output
+"""Tests for transformer/decoding/translator.py's option check, batch layout and output
 text (the Translator itself is exercised on a trained model in test_api.py and
 test_decode_cli.py)."""
 

@@ -1,4 +1,4 @@
-"""Tests for transformer/workdir.py: the files of a run directory, the
+"""Tests for transformer/runtime/workdir.py: the files of a run directory, the
 vocabulary rule, the choice of checkpoint, the lock and the config check (on
 hand-made workdirs; loading a trained one is tested in test_api.py and
 test_decode_cli.py, a training run meeting the lock and the check in

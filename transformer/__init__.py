@@ -16,24 +16,28 @@ Or with sentence pairs held in memory:
                       eval_pairs=[...])
 
 On Linux, `transformer.keep_freed_memory()` before the first computation
-makes every training step on CPU 10-15% faster (see `transformer.host_memory`;
+makes every training step on CPU 10-15% faster (see `transformer.runtime.host_memory`;
 train.py and decode.py call it themselves).
 
-The building blocks live in the submodules (README, "How it fits together"):
-`transformer.model` (the Flax modules: the paper), `transformer.layers` (its
-speed kernels), `transformer.kv_cache` (incremental decoding),
-`transformer.decoding` (greedy, beam search, sampling),
-`transformer.translation` (strings in, strings out), `transformer.workdir`
-(what a run directory holds, and the loader), `transformer.training`,
-`transformer.data`, `transformer.demo_task` (the demo's sentence pairs),
-`transformer.tokenizer`, `transformer.checkpoints`, `transformer.averaging`,
-`transformer.parallel`, `transformer.plotting`, `transformer.flops` (MFU),
-`transformer.run_monitor`, `transformer.time_budget`, `transformer.stall`, `transformer.report`,
-`transformer.compile_cache` (on by default: see there).
+The library, in sub-packages by layer (docs/architecture.md); imports go one
+way, from the top of this list down:
+
+  transformer.training   the loop, the jitted steps, evaluation, the run monitor,
+                         metrics and the end-of-run report
+  transformer.decoding   search (greedy, beam, sampling), the Translator (strings
+                         in, strings out) and the loader of a workdir
+  transformer.plotting   attention pictures and learning curves
+  transformer.runtime    workdir, checkpoints, averaging, devices and hosts, disk,
+                         caches, host memory
+  transformer.data       sentence-pair sources, the grain pipeline, the tokenizer,
+                         text I/O, the demo task
+  transformer.model      the paper's modules (model/transformer.py reads as
+                         Section 3), the fast layers, the KV cache
+  transformer.configs    the recipes (the checkout's configs/ folder)
 """
 
 from transformer.runtime.host_memory import keep_freed_memory
-from transformer.model.transformer import (MultiHeadAttention, Transformer, TransformerConfig,
+from transformer.model import (MultiHeadAttention, Transformer, TransformerConfig,
                                count_params, init_params, scaled_dot_product_attention,
                                sinusoidal_positional_encoding)
 
@@ -67,7 +71,7 @@ def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: boo
 
 
 def load_translator(workdir: str, checkpoint="auto"):
-  """A `translation.Translator` for a trained workdir (`loader.load_translator`)."""
+  """A `decoding.translator.Translator` for a trained workdir (`decoding.loader.load_translator`)."""
   from transformer.decoding import loader
   from transformer.runtime import compile_cache
   compile_cache.enable()

@@ -4,7 +4,7 @@ Host-side only: no JAX here.
 Sources (chosen by `config.data.source`, see `load_split`)
 ------------------------------------------------------------
 * ``demo``  - the built-in synthetic translation task (English number phrases
-  -> German, `transformer.demo_task`): offline, deterministic, trains on a
+  -> German, `transformer.data.demo_task`): offline, deterministic, trains on a
   laptop CPU in minutes.
 * ``tsv``   - one UTF-8 file per split, ``source<TAB>target`` on every line.
 * ``files`` - two aligned UTF-8 files per split, one sentence per line.
