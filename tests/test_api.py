@@ -257,3 +257,48 @@ def test_train_from_pairs_in_memory(tmp_path, compilation_cache):
   assert all(isinstance(s, str) for s in out)
   assert isinstance(translator, translation.Translator)
   assert isinstance(translator, transformer.Translator)
+
+
+# The recipes: `transformer.configs`, never a top-level `configs` package.
+RECIPES_FROM_A_COPY = """
+import sys
+# Only what a checkout on sys.path gives: no installed package's finders.
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if "editable" not in (getattr(f, "__module__", "") or "").lower()]
+sys.path_hooks[:] = [h for h in sys.path_hooks if "editable" not in repr(h).lower()]
+sys.path_importer_cache.clear()
+sys.path.insert(0, sys.argv[1])
+import transformer
+from transformer.configs import small_corpus
+print(transformer.__file__)
+print(small_corpus.__file__)
+print(transformer.demo_config().model.d_model)
+"""
+
+
+def test_recipes_are_transformer_configs_installed_or_from_a_checkout(tmp_path):
+  """Installed (this suite's editable install), the recipes are
+  `transformer.configs` and there is no top-level `configs`; a copy of the
+  checkout put on sys.path without being installed finds its own configs/."""
+  import importlib.util
+  import shutil
+  import subprocess
+  import sys
+  from transformer.configs import default
+  assert Path(default.__file__).resolve() == REPO / "configs" / "default.py"
+  outside = subprocess.run([sys.executable, "-c", "import configs"], cwd=tmp_path,
+                           capture_output=True, text=True)
+  assert "No module named 'configs'" in outside.stderr
+  assert importlib.util.find_spec("transformer.configs") is not None
+
+  copy = tmp_path / "checkout"
+  shutil.copytree(REPO / "transformer", copy / "transformer",
+                  ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copytree(REPO / "configs", copy / "configs", ignore=shutil.ignore_patterns("__pycache__"))
+  out = subprocess.run([sys.executable, "-c", RECIPES_FROM_A_COPY, str(copy)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  package, recipe, d_model = out.stdout.split()
+  assert Path(package).parent == copy / "transformer"  # (the copy, not the install)
+  assert Path(recipe) == copy / "configs" / "small_corpus.py"
+  assert d_model == str(default.get_config().model.d_model)

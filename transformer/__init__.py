@@ -36,10 +36,33 @@ way, from the top of this list down:
   transformer.configs    the recipes (the checkout's configs/ folder)
 """
 
+import importlib.util
+import os
+import sys
+
 from transformer.runtime.host_memory import keep_freed_memory
 from transformer.model import (MultiHeadAttention, Transformer, TransformerConfig,
                                count_params, init_params, scaled_dot_product_attention,
                                sinusoidal_positional_encoding)
+
+
+
+def _recipes_from_a_checkout() -> None:
+  """`transformer.configs` is the checkout's configs/ folder (pyproject.toml's
+  package-dir installs it so); for a checkout put on sys.path without being
+  installed (the notebook run from notebooks/), the same folder is loaded here."""
+  if "transformer.configs" in sys.modules or importlib.util.find_spec("transformer.configs"):
+    return
+  folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+  if os.path.isfile(os.path.join(folder, "__init__.py")):
+    spec = importlib.util.spec_from_file_location(
+        "transformer.configs", os.path.join(folder, "__init__.py"),
+        submodule_search_locations=[folder])
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+_recipes_from_a_checkout()
 
 __all__ = [
     "Transformer", "TransformerConfig", "MultiHeadAttention", "count_params",
