@@ -63,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks import bench_decode, bench_train, common
 from transformer.training import flops
-from transformer.model import kv_cache
+from transformer.model import attention_choice, kv_cache
 from transformer.model import layers
 from transformer.model import transformer as model_lib
 from transformer.runtime import parallel
@@ -210,8 +210,8 @@ def check_attention(attention: Callable, implementation: str, dtype: str, inputs
 def attention_implementations(head_dim: int) -> list[str]:
   """What can compute attention on this device: the einsums and XLA always,
   cuDNN where the model would choose it for bfloat16."""
-  chosen = model_lib.choose_attention_implementation(
-      None, backend=model_lib.attention_backend(), dtype=jnp.bfloat16, head_dim=head_dim)
+  chosen = attention_choice.choose_attention_implementation(
+      None, backend=attention_choice.attention_backend(), dtype=jnp.bfloat16, head_dim=head_dim)
   return ["einsum", "xla"] + (["cudnn"] if chosen == "cudnn" else [])
 
 
@@ -372,8 +372,8 @@ def cached_decoding_rows(shape: str, config, batch: int, src_len: int, tgt_len: 
 
 def _chosen_attention(config) -> str:
   """The implementation the model uses for `config` on this device."""
-  return model_lib.choose_attention_implementation(
-      config.attention_implementation, backend=model_lib.attention_backend(),
+  return attention_choice.choose_attention_implementation(
+      config.attention_implementation, backend=attention_choice.attention_backend(),
       dtype=config.dtype, head_dim=config.head_dim,
       dropout=config.attention_dropout_rate > 0)
 
@@ -490,13 +490,13 @@ def main(argv=None) -> int:
 
   rated = flops.rated_peak()
   print(f"\n{jax.device_count()} x {device.device_kind} ({device.platform}, attention "
-        f"backend {model_lib.attention_backend()!r}); jax {jax.__version__}; "
+        f"backend {attention_choice.attention_backend()!r}); jax {jax.__version__}; "
         f"{common.machine_load()}")
   print(f"bfloat16 matmul peak of one device, measured: {peak / 1e12:,.3f} TFLOP/s ({peak_at})"
         + (f"; rated: {rated / 1e12:,.0f} TFLOP/s" if rated else ""))
   for shape in shapes:
     config = common.SHAPES[shape](dtype="bfloat16")[0]
-    print(f"{shape}: {model_lib.attention_implementation_name(config)}")
+    print(f"{shape}: {attention_choice.attention_implementation_name(config)}")
   print("error: max |got - reference| / max |reference| over the compared arrays; "
         "float32 checks at matmul precision 'highest'\n")
   print(format_table(rows))

@@ -5,7 +5,7 @@ host with 8 devices gets).
     python benchmarks/multi_device_report.py                    # every config
     python benchmarks/multi_device_report.py --configs default,small_corpus
 
-Prints one markdown table (the README's "What runs where" carries it), a row
+Prints one markdown table (docs/benchmarks.md carries it), a row
 per config and state layout (`state_sharding` "replicated" / "fsdp"):
 
   * collectives per update: count and bytes of the all-reduces, reduce-scatters
@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import common  # noqa: E402
-from transformer.model import transformer as model_lib
+from transformer.model import attention_choice, transformer as model_lib
 from transformer.runtime import parallel
 from transformer.training import run_setup, steps as steps_lib  # noqa: E402
 
@@ -110,7 +110,7 @@ def report_row(name: str, state_sharding: str, mesh) -> dict:
   # dropout masks the embeddings and every sub-layer's output, [rows, length,
   # d_model]: one device's share of one of them
   row["activation_shard"] = ROWS // DEVICES * LENGTH * model_config.d_model
-  row["attention"] = {backend: model_lib.choose_attention_implementation(
+  row["attention"] = {backend: attention_choice.choose_attention_implementation(
       model_config.attention_implementation, backend=backend, dtype=model_config.dtype,
       head_dim=model_config.head_dim, dropout=model_config.attention_dropout_rate > 0)
       for backend in ("cpu", "gpu", "tpu")}
