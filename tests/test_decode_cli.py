@@ -226,13 +226,13 @@ def test_plot_attention_one_png_per_sentence(runs):
 # ----------------------------------------------------------------------------
 
 
-def _error(result, *needles, code=None):
+def _error(result, *needles, code=None, stdout=""):
   err = result.stderr_text
   assert result.returncode != 0, err
   if code is not None:
     assert result.returncode == code, err
   assert "Traceback" not in err, err
-  assert result.stdout_text == ""
+  assert result.stdout_text == stdout
   message = [line for line in err.splitlines() if line.strip()]
   for needle in needles:
     assert any(needle in line for line in message), (needle, err)
@@ -243,15 +243,25 @@ def test_non_utf8_input_names_file_and_line(workdir, env, tmp_path):
   bad = tmp_path / "latin1.txt"
   bad.write_bytes("one red cat\ntwo small cats\nfünf große Hunde\n".encode("latin-1"))
   out = tmp_path / "out.txt"
-  result = run_decode(env, f"--workdir={workdir}", f"--input={bad}", f"--output={out}")
+  result = run_decode(env, f"--workdir={workdir}", f"--input={bad}", f"--output={out}",
+                      "--method=greedy")
   # The message of text_io.NotUtf8Error, as for training data: file, line,
   # column (the "ü" of "fünf"), the byte, and the fix.
   _error(result, f"{bad}:3: line 3, column 2: byte 0xfc is not valid UTF-8",
          f"`iconv -f latin1 -t utf-8 {bad}`", code=2)
-  assert not out.exists()  # nothing written
-  result = run_decode(env, f"--workdir={workdir}", stdin=b"ok\n\xff\xfe\n")
+  # The lines before it are translated and kept, as the two alone would be,
+  # and the progress record says so (the same command continues from there).
+  alone = run_decode(env, f"--workdir={workdir}", "--method=greedy",
+                     stdin="one red cat\ntwo small cats\n")
+  _ok(alone)
+  assert out.read_text() == alone.stdout_text and len(alone.stdout_text.splitlines()) == 2
+  record = json.loads((tmp_path / "out.txt.progress.json").read_text())
+  assert record["lines_done"] == 2 and record["output_bytes"] == len(out.read_bytes())
+  ok = _ok(run_decode(env, f"--workdir={workdir}", "--method=greedy", stdin="ok\n"))
+  result = run_decode(env, f"--workdir={workdir}", "--method=greedy", stdin=b"ok\n\xff\xfe\n")
   _error(result, "<stdin>:2: line 2, column 1: byte 0xff is not valid UTF-8",
-         "pipe it through `iconv -f latin1 -t utf-8`", code=2)
+         "pipe it through `iconv -f latin1 -t utf-8`", code=2,
+         stdout=ok.stdout_text)  # "ok"'s translation came out first
 
 
 def test_missing_workdir_pieces_name_what_to_do(workdir, env, tmp_path):

@@ -4,6 +4,8 @@ test_decode_cli.py)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -66,14 +68,32 @@ def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():
   assert [score for _, score in beams[1]] == [0.1, 0.11]
 
 
+def _hyps(*texts):
+  return [translation.Hypothesis(text, -1.0 - k, -2.0 - k, 3) for k, text in enumerate(texts)]
+
+
 def test_output_lines_one_per_source_whatever_the_translations_hold():
   sources = ["a", "", "   ", "b"]
-  assert output.output_lines(sources, ["x\ty", "", "", "two\nlines\r"], n_best=1) == [
+  one = [_hyps("x\ty"), _hyps(""), _hyps(""), _hyps("two\nlines\r")]
+  assert output.format_lines(0, sources, one, 1, "text") == [
       "x\ty", "", "", "two lines "]                  # a tab is kept with one hypothesis
-  n_best = [[("x", -1.0), ("x\ty", -2.0)], [("", 0.0)] * 2, [("", 0.0)] * 2,
-            [("p\nq", -0.5), ("r", -0.7)]]
-  assert output.output_lines(sources, n_best, n_best=2) == [
+  two = [_hyps("x", "x\ty"), _hyps("", ""), _hyps("", ""), _hyps("p\nq", "r")]
+  assert output.format_lines(0, sources, two, 2, "text") == [
       "x\tx y", "", "", "p q\tr"]                     # tabs only between hypotheses
+
+
+def test_json_lines_name_the_line_the_source_and_every_hypothesis():
+  sources = ["a\tb", "", "c"]
+  lines = output.format_lines(10, sources, [_hyps("x\ny", "z"), _hyps("", ""), _hyps("w", "v")],
+                              2, "jsonl")
+  records = [json.loads(line) for line in lines]
+  assert all("\n" not in line for line in lines)
+  assert [r["line"] for r in records] == [11, 12, 13]   # 1-based, after line 10
+  assert [r["source"] for r in records] == sources
+  assert records[0]["hypotheses"] == [
+      {"text": "x\ny", "score": -1.0, "log_prob": -2.0, "length": 3},
+      {"text": "z", "score": -2.0, "log_prob": -3.0, "length": 3}]
+  assert records[1]["hypotheses"] == []                # an empty line has none
 
 
 STATS = {"sentences": 8, "decoded": 6, "truncated": 0, "generated_tokens": 120,

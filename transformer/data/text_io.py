@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 STDIN = "<stdin>"  # the name of standard input in messages
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: not part of the text
@@ -48,10 +48,10 @@ class NotUtf8Error(ValueError):
   1-based line and column (in characters, as an editor counts them), the
   byte, and the fix; `name`, `line` and `column` are kept as attributes."""
 
-  def __init__(self, name: str, data: bytes, start: int):
+  def __init__(self, name: str, data: bytes, start: int, first_line: int = 1):
     line_start = data.rfind(b"\n", 0, start) + 1
     self.name = name
-    self.line = data.count(b"\n", 0, start) + 1
+    self.line = data.count(b"\n", 0, start) + first_line
     # The bytes before `start` are valid UTF-8: the first bad byte is at `start`.
     self.column = len(data[line_start:start].decode("utf-8")) + 1
     convert = ("pipe it through `iconv -f latin1 -t utf-8`" if name == STDIN
@@ -96,6 +96,50 @@ def read_lines(path: str | None) -> list[str]:
   except OSError as e:
     raise TextFileError(path, f"cannot read it ({e.strerror or e})") from None
   return split_lines(data, path)
+
+
+def iter_lines(path: str | None) -> Iterator[tuple[bytes, str]]:
+  """The lines of the UTF-8 file `path` (None: standard input) one at a time,
+  as (the raw bytes read for it, its text), by the rules of `split_lines`:
+  memory does not grow with the file. TextFileError if it cannot be opened;
+  NotUtf8Error naming the line when one is reached that is not UTF-8 (the
+  lines before it have been given)."""
+  name = STDIN if path is None else path
+  if path is None:
+    stream = sys.stdin.buffer
+  else:
+    try:
+      stream = open(path, "rb")
+    except FileNotFoundError:
+      raise TextFileError(path, "file not found; check the path") from None
+    except IsADirectoryError:
+      raise TextFileError(path, "is a directory, not a UTF-8 text file") from None
+    except OSError as e:
+      raise TextFileError(path, f"cannot read it ({e.strerror or e})") from None
+  try:
+    for number, raw in enumerate(stream, start=1):
+      data = raw[len(_BOM):] if number == 1 and raw.startswith(_BOM) else raw
+      try:
+        text = data.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise NotUtf8Error(name, data, e.start, first_line=number) from None
+      if text.endswith("\n"):
+        text = text[:-1]
+      yield raw, text[:-1] if text.endswith("\r") else text
+  finally:
+    if path is not None:
+      stream.close()
+
+
+def check_readable(path: str) -> None:
+  """Raises TextFileError if `path` cannot be read as a file (missing, a
+  directory, no permission): before a model is loaded for it."""
+  if os.path.isdir(path):
+    raise TextFileError(path, "is a directory, not a UTF-8 text file")
+  if not os.path.exists(path):
+    raise TextFileError(path, "file not found; check the path")
+  if not os.access(path, os.R_OK):
+    raise TextFileError(path, "cannot read it (permission denied)")
 
 
 def check_writable(path: str) -> None:

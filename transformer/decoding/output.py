@@ -1,24 +1,30 @@
-"""decode.py's text: the output lines (one per input line, N in -> N out), the
-summary line on stderr and the truncation warning, from `Translator.translate`'s
-results and `last_stats`."""
+"""decode.py's text: the output lines (one per input line, N in -> N out; text
+or JSON lines), the summary line on stderr and the truncation warning, from
+`Translator.translate_hypotheses`' results and `last_stats`."""
 
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
+from transformer.decoding.translator import Hypothesis
 
-def output_lines(sources: Sequence[str], results, n_best: int) -> list[str]:
-  """`translate`'s results as one line per source: the translation, or (n_best
-  > 1) its hypotheses joined by tabs, in the order given; a blank source gives
-  an empty line. Line breaks (and, between hypotheses, tabs) inside a
-  translation become spaces, so that N sources always give N lines."""
+
+def format_lines(first_line: int, sources: Sequence[str], results: Sequence[list[Hypothesis]],
+                 n_best: int, output_format: str) -> list[str]:
+  """One output line per source (sources[0] is input line `first_line` + 1)."""
+  if output_format == "jsonl":
+    return [json.dumps({"line": first_line + k + 1, "source": source,
+                        "hypotheses": [h._asdict() for h in hyps] if source.strip() else []},
+                       ensure_ascii=False)
+            for k, (source, hyps) in enumerate(zip(sources, results))]
   if n_best == 1:
-    return [_one_line(text, tabs=False) for text in results]
-  return ["\t".join(_one_line(text, tabs=True) for text, _ in hyps) if source.strip() else ""
+    return [one_line(hyps[0].text, tabs=False) for hyps in results]
+  return ["\t".join(one_line(h.text, tabs=True) for h in hyps) if source.strip() else ""
           for source, hyps in zip(sources, results)]
 
 
-def _one_line(text: str, tabs: bool) -> str:
+def one_line(text: str, tabs: bool) -> str:
   """A translation that cannot break the one-line-per-input format."""
   text = text.replace("\r", " ").replace("\n", " ")
   return text.replace("\t", " ") if tabs else text

@@ -69,8 +69,9 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
     tokens_to_logits: (token_ids [batch] int32, cache) -> (logits [batch,
       vocab], cache).
     cache: the model's decoding cache for [batch].
-    rng: PRNG key. Step t uses `fold_in(rng, t)`, so results do not depend on
-      how the loop is chunked.
+    rng: a PRNG key, or one per row (`[batch]` keys: each row's draws then
+      depend on its key alone, not on the other rows). Step t uses
+      `fold_in(key, t)`, so results do not depend on how the loop is chunked.
     batch_size, max_len: output is [batch_size, max_len].
     bos_id, eos_id: as in `greedy_search`.
     temperature: > 0; 0 means greedy (argmax). May be a traced scalar.
@@ -92,10 +93,19 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
       safe_temperature = jnp.where(greedy, 1.0, temperature)
       filtered = filter_logits(logits / safe_temperature, top_k=top_k,
                                top_p=top_p)
-      drawn = jax.random.categorical(jax.random.fold_in(rng, step), filtered,
-                                     axis=-1)
+      drawn = _draw(rng, step, filtered)
       return jnp.where(greedy, argmax(logits), drawn)
 
   return sampling_loop(tokens_to_logits, cache, choose, batch_size=batch_size,
                         max_len=max_len, bos_id=bos_id, eos_id=eos_id,
                         min_len=min_len)
+
+
+def _draw(rng: jax.Array, step, logits: jax.Array) -> jax.Array:
+  """A token per row from `logits` [batch, vocab]: with one key, drawn
+  together from `fold_in(rng, step)`; with a key per row, each row from
+  `fold_in(its key, step)`."""
+  if jnp.ndim(rng) == 0:
+    return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(rng, step)
+  return jax.vmap(lambda key, row: jax.random.categorical(key, row))(keys, logits)

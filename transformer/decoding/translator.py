@@ -1,9 +1,9 @@
 """Batch translation: strings in, strings out, in order, nothing dropped.
 
-`Translator` ties the model (`model.py`), a decoding strategy (`decoding.py`)
-and the vocabulary (`tokenizer.py`) together. It is what `decode.py`, the
-training loop's BLEU evaluation and the notebook API use (`workdir.py` loads
-one from a trained workdir).
+`Translator` ties the model (`model/transformer.py`), a decoding strategy
+(`search.py`, `sampling.py`) and the vocabulary (`data/tokenizer.py`) together.
+It is what `decode.py`, the training loop's BLEU evaluation and the notebook API
+use (`loader.py` loads one from a trained workdir).
 
 How a list of sentences is decoded:
   1. Tokenize; append EOS; inputs longer than the model's `max_len` are
@@ -29,7 +29,7 @@ output lines and stderr).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +49,20 @@ METHODS = ("greedy", "beam", "sample")
 MIN_BUCKET = 8
 
 
+class Hypothesis(NamedTuple):
+  """One translation of an input: `score` ranks the n-best (beam: log p / lp,
+  the GNMT length penalty; otherwise log p), `log_prob` is log p of its tokens
+  under the model, `length` the generated tokens counting the EOS."""
+  text: str
+  score: float
+  log_prob: float
+  length: int
+
+
 def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
                   max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
-                  batch_size: int = 32) -> None:
+                  batch_size: int = 32, batch_tokens: int = 0) -> None:
   """Raises OptionError naming the first of `Translator.translate`'s options
   (same names and defaults) whose value cannot be used, and what to do."""
   if method not in METHODS:
@@ -85,6 +95,8 @@ def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: f
     raise OptionError("min_len", min_len, f"must be < max_len={max_len}")
   if batch_size < 1:
     raise OptionError("batch_size", batch_size, "must be >= 1")
+  if batch_tokens < 0:
+    raise OptionError("batch_tokens", batch_tokens, "must be >= 0 (0: batches of batch_size)")
 
 
 def bucket_length(length: int, max_length: int) -> int:
@@ -163,16 +175,21 @@ class Translator:
   # -- the jitted decoder ----------------------------------------------------
 
   def _decode_fn(self, method: str, batch: int, src_len: int, max_len: int,
-                 beam_size: int, top_k: int, early_exit: bool = True):
+                 beam_size: int, top_k: int, early_exit: bool = True,
+                 temperature_on: bool = True, top_p_on: bool = True):
     """The jitted decoder of one batch shape:
-    (params, logits_kernel, inputs [batch, src_len], rng, length_penalty,
-    temperature, top_p, min_len) -> (sequences [batch, n, max_len], scores
-    [batch, n]). `translate` compiles it once per shape (`self._executables`)
-    and calls it with `self.params, self.logits_kernel`."""
+    (params, logits_kernel, inputs [batch, src_len], rng, row_lines [batch],
+    row_copies [batch], length_penalty, temperature, top_p, min_len) ->
+    (sequences [batch, n, max_len], scores [batch, n]). `translate_hypotheses`
+    compiles it once per shape (`self._executables`). Sampling draws row r's
+    tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`: a line's
+    sample depends on the seed and its line number only. A temperature of 1 or
+    a top_p of 1 (`temperature_on`, `top_p_on` False) is left out of the
+    program (no division, no sort of the vocabulary)."""
     cfg, model = self.config, self.model
 
-    def run(params, logits_kernel, inputs, rng, length_penalty, temperature, top_p,
-            min_len):
+    def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
+            temperature, top_p, min_len):
       encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
       memory = model.apply({"params": params}, encoded, inputs, None, logits_kernel,
                            method=Transformer.encoder_memory)
@@ -193,26 +210,43 @@ class Translator:
       if method == "greedy":
         seqs, scores = decoding.greedy_search(tokens_to_logits, cache, **common)
       else:
-        seqs, scores = sampling.sample(tokens_to_logits, cache, rng=rng,
-                                       temperature=temperature, top_k=top_k,
-                                       top_p=top_p, **common)
+        fold_in = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+        row_keys = jax.vmap(jax.random.fold_in)(fold_in(rng, row_lines), row_copies)
+        seqs, scores = sampling.sample(
+            tokens_to_logits, cache, rng=row_keys,
+            temperature=temperature if temperature_on else 1.0, top_k=top_k,
+            top_p=top_p if top_p_on else 1.0, **common)
       return seqs[:, None], scores[:, None]
 
     data = NamedSharding(self.mesh, P("data"))
     replicated = NamedSharding(self.mesh, P())
-    return jax.jit(run, in_shardings=(replicated, replicated, data, replicated, replicated,
-                                      replicated, replicated, replicated),
+    return jax.jit(run, in_shardings=(replicated, replicated, data, replicated, data, data,
+                                      replicated, replicated, replicated, replicated),
                    out_shardings=(data, data))
 
   # -- the public API --------------------------------------------------------
 
-  def translate(self, sentences: Sequence[str], *, method: str = "beam",
-                beam_size: int = 4, length_penalty: float = 0.6,
-                max_len: int | None = None, extra_len: int = 50, min_len: int = 0,
-                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                seed: int = 0, n_best: int = 1, batch_size: int = 32,
-                progress: bool = False, early_exit: bool = True):
-    """Translates `sentences`.
+  def translate(self, sentences: Sequence[str], *, n_best: int = 1, **options):
+    """Translates `sentences` (the options: `translate_hypotheses`).
+
+    Returns:
+      n_best == 1: a list of strings, one per input, in input order.
+      n_best > 1: a list (per input) of n_best (translation, score) pairs,
+      best first.
+    """
+    results = self.translate_hypotheses(sentences, n_best=n_best, **options)
+    if n_best == 1:
+      return [hyps[0].text for hyps in results]
+    return [[(h.text, h.score) for h in hyps] for hyps in results]
+
+  def translate_hypotheses(
+      self, sentences: Sequence[str], *, method: str = "beam", beam_size: int = 4,
+      length_penalty: float = 0.6, max_len: int | None = None, extra_len: int = 50,
+      min_len: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+      seed: int = 0, n_best: int = 1, batch_size: int = 32, batch_tokens: int = 0,
+      first_line: int = 0, progress: bool = False,
+      early_exit: bool = True) -> list[list[Hypothesis]]:
+    """Translates `sentences` into `n_best` hypotheses each, best first.
 
     Args:
       sentences: source sentences (one per item; "" translates to "").
@@ -220,56 +254,90 @@ class Translator:
       beam_size, length_penalty: beam search (the paper: 4 and 0.6).
       max_len: most tokens generated (EOS included); None: input length + extra_len.
       min_len: fewest tokens before EOS may be generated.
-      temperature, top_k, top_p, seed: sampling (top_k 0 and top_p 1 disable them).
-      n_best: > 1 returns that many hypotheses per sentence (beam: the best
-        n_best of the beam, n_best <= beam_size; sample: n_best samples).
-      batch_size: sentences per decoding batch.
+      temperature, top_k, top_p, seed: sampling (top_k 0, top_p 1 and
+        temperature 1 disable them and cost nothing). Sentence i's samples
+        depend only on `seed` and its line number `first_line + i`.
+      n_best: hypotheses per sentence (beam: the best n_best of the beam,
+        n_best <= beam_size; sample: n_best samples, sorted by score).
+      batch_size: sentences per decoding batch (of this process, sharded over
+        its local devices), or with `batch_tokens` > 0 ...
+      batch_tokens: ... source tokens (padded length x rows) per batch: short
+        inputs go in larger batches.
+      first_line: the line number of sentences[0] (for the sampling keys).
       progress: show a tqdm bar on stderr.
       early_exit: stop a batch's beam search once no hypothesis can change
         (same results, less time; False runs every step, for benchmarks).
     Returns:
-      n_best == 1: a list of strings, one per input, in input order.
-      n_best > 1: a list (per input) of n_best (translation, score) pairs,
-      best first for beam search.
+      Per input, `n_best` Hypothesis(text, score, log_prob, length): `score`
+      is what ranks them (beam: log p / lp(length); otherwise log p),
+      `log_prob` the model's log-probability of the tokens, `length` the
+      generated tokens counting the EOS.
     """
     check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
                   max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,
-                  top_p=top_p, n_best=n_best, batch_size=batch_size)
+                  top_p=top_p, n_best=n_best, batch_size=batch_size,
+                  batch_tokens=batch_tokens)
     start = time.perf_counter()
     encoded, truncated = self._encode(sentences)
     copies = n_best if method == "sample" else 1  # one row per sample of an input
-    rows = self._batch_rows(batch_size, copies)
+    empty = Hypothesis("", 0.0, 0.0, 0)
+    results: list[list[Hypothesis]] = [[empty] * n_best for _ in sentences]
     options = (float(length_penalty), float(temperature), float(top_p), int(min_len))
-    results: list[list[tuple[str, float]]] = [[("", 0.0)] * n_best for _ in sentences]
-    buckets = length_buckets(encoded, self.config.max_len)
-    decoded = sum(len(members) for _, members in buckets)
-    generated, compile_seconds = 0, 0.0
+    switches = (temperature != 1.0, top_p < 1.0) if method == "sample" else (False, False)
     rng = jax.random.key(seed)
+    batches = []  # (shape, member indices, rows)
+    for src_len, members in length_buckets(encoded, self.config.max_len):
+      rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
+      shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
+               beam_size, top_k, early_exit, *switches)
+      per_batch = max(1, rows // copies)
+      batches += [(shape, members[b:b + per_batch]) for b in range(0, len(members), per_batch)]
+    decoded = sum(len(members) for _, members in batches)
     bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
                     dynamic_ncols=True)
-    for src_len, members in buckets:
-      shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
-               beam_size, top_k, early_exit)
-      per_batch = max(1, rows // copies)
-      for b0 in range(0, len(members), per_batch):
-        batch = members[b0:b0 + per_batch]
-        rng, batch_rng = jax.random.split(rng)
-        inputs = pack_batch([encoded[i] for i in batch], rows, src_len, copies)
-        seqs, scores, seconds = self._decode(shape, inputs, batch_rng, options)
-        compile_seconds += seconds
-        for i, hyps in zip(batch, unpack_hypotheses(seqs, scores, len(batch), copies, n_best)):
-          results[i] = [(self.tokenizer.decode(ids.tolist()), float(score))
-                        for ids, score in hyps]
-          generated += sum(int(np.sum(ids != 0)) for ids, _ in hyps)
-        bar.update(len(batch))
+    generated, compile_seconds, host_seconds, pending = 0, 0.0, 0.0, None
+
+    def finish(pending) -> int:
+      """The hypotheses of a dispatched batch, read back (waiting for the
+      device only if it is not done) and detokenized."""
+      (shape, members), seqs, scores = pending
+      seqs, scores = np.asarray(seqs), np.asarray(scores)
+      alpha = length_penalty if method == "beam" else 0.0
+      tokens = 0
+      for i, hyps in zip(members, unpack_hypotheses(seqs, scores, len(members), copies,
+                                                    n_best)):
+        results[i] = sorted((self._hypothesis(ids, score, alpha) for ids, score in hyps),
+                            key=lambda h: -h.score)
+        tokens += sum(h.length for h in results[i])
+      bar.update(len(members))
+      return tokens
+
+    # The device works on batch k while the host packs batch k + 1 and
+    # detokenizes batch k - 1 (JAX dispatches asynchronously).
+    for shape, members in batches:
+      host_start = time.perf_counter()
+      rows = shape[1]
+      inputs = pack_batch([encoded[i] for i in members], rows, shape[2], copies)
+      row_lines = np.zeros(rows, np.int32)
+      row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
+      row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
+      host_seconds += time.perf_counter() - host_start
+      seqs, scores, seconds = self._dispatch(
+          shape, (inputs, rng, row_lines, row_copies, *options))
+      compile_seconds += seconds
+      if pending is not None:
+        host_start = time.perf_counter()
+        generated += finish(pending)
+        host_seconds += time.perf_counter() - host_start
+      pending = ((shape, members), seqs, scores)
+    if pending is not None:
+      generated += finish(pending)
     bar.close()
     self.last_stats = self._stats(len(sentences), decoded, truncated, generated,
-                                  time.perf_counter() - start, compile_seconds)
-    if n_best == 1:
-      return [hyps[0][0] for hyps in results]
+                                  time.perf_counter() - start, compile_seconds, host_seconds)
     return results
 
-  # -- the steps of `translate` ----------------------------------------------
+  # -- the steps of `translate_hypotheses` -----------------------------------
 
   def _encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
     """(token ids + EOS per sentence, [] for a blank one; how many were
@@ -282,11 +350,23 @@ class Translator:
       encoded.append(ids + [cfg.eos_id] if ids else [])
     return encoded, truncated
 
-  def _batch_rows(self, batch_size: int, copies: int) -> int:
-    """Rows of every decoding batch: `batch_size` (at least one input's
-    `copies` sample rows) rounded up to a multiple of the devices."""
+  def _hypothesis(self, ids: np.ndarray, score: float, alpha: float) -> Hypothesis:
+    """One decoded row: its text, score, log-probability (the beam score times
+    the length penalty it was divided by) and length (to the EOS, included)."""
+    ids = ids.tolist()
+    length = ids.index(self.config.eos_id) + 1 if self.config.eos_id in ids else len(ids)
+    score = float(score)
+    log_prob = score * decoding.gnmt_length_penalty(length, alpha).item() if alpha else score
+    return Hypothesis(self.tokenizer.decode(ids), score, log_prob, length)
+
+  def _batch_rows(self, batch_size: int, copies: int, batch_tokens: int = 0,
+                  src_len: int = 0) -> int:
+    """Rows of every decoding batch of inputs padded to `src_len`:
+    `batch_size`, or `batch_tokens // src_len` (at least one input's `copies`
+    sample rows), rounded up to a multiple of the devices."""
     devices = len(self.mesh.devices.flat)
-    return -(-max(batch_size, copies) // devices) * devices
+    wanted = max(1, batch_tokens // src_len) if batch_tokens else batch_size
+    return -(-max(wanted, copies) // devices) * devices
 
   def _output_length(self, src_len: int, max_len: int | None, extra_len: int) -> int:
     """Most tokens generated for a bucket of inputs padded to `src_len`."""
@@ -298,27 +378,30 @@ class Translator:
       out_len = min(out_len, self.config.max_len)
     return out_len
 
-  def _decode(self, shape: tuple, inputs: np.ndarray, rng, options: tuple):
-    """Decodes one batch `inputs` [rows, src_len] with the decoder of `shape`
-    (`_decode_fn`'s arguments), compiled the first time this shape is seen.
-    Returns (sequences [rows, n, max_len], scores [rows, n], seconds spent
-    compiling), as numpy arrays."""
-    args = (self.params, self.logits_kernel, inputs, rng, *options)
+  def _dispatch(self, shape: tuple, inputs: tuple):
+    """Starts decoding one batch with the decoder of `shape` (`_decode_fn`'s
+    arguments), compiled the first time this shape is seen; `inputs`: the
+    decoder's arguments after the parameters. Returns (sequences [rows, n,
+    max_len], scores [rows, n]) as device arrays, still being computed, and
+    the seconds spent compiling."""
+    args = (self.params, self.logits_kernel, *inputs)
     seconds = 0.0
     if shape not in self._executables:  # compiled once per shape, timed apart
       compile_start = time.perf_counter()
       self._executables[shape] = self._decode_fn(*shape).lower(*args).compile()
       seconds = time.perf_counter() - compile_start
     seqs, scores = self._executables[shape](*args)
-    return np.asarray(seqs), np.asarray(scores), seconds
+    return seqs, scores, seconds
 
   def _stats(self, sentences: int, decoded: int, truncated: int, generated: int,
-             seconds: float, compile_seconds: float) -> dict[str, float]:
+             seconds: float, compile_seconds: float, host_seconds: float) -> dict[str, float]:
     """`last_stats`: counts, times and tokens/s of the decoding itself
-    (compilation happens once per shape, so it is left out of the speed)."""
+    (compilation happens once per shape, so it is left out of the speed), and
+    the host's own work (tokens to and from text, packing) outside compiling."""
     return {"sentences": sentences, "decoded": decoded, "truncated": truncated,
             "generated_tokens": generated, "seconds": seconds,
-            "compile_seconds": compile_seconds, "devices": len(self.mesh.devices.flat),
+            "compile_seconds": compile_seconds, "host_seconds": host_seconds,
+            "devices": len(self.mesh.devices.flat),
             "tokens_per_second": generated / max(seconds - compile_seconds, 1e-9)}
 
   def cross_attention(self, source: str, target: str | None = None):
@@ -367,7 +450,3 @@ class Translator:
                  out_shardings=replicated)
     self._compiled["cross_attention"] = fn
     return fn
-
-
-
-# -- reporting `translate`'s results as text (decode.py) ----------------------

@@ -232,8 +232,9 @@ def plot_attention_mask(mask, tokens: Sequence[str] | None = None, ax=None,
 
 
 def save_cross_attention_plots(translator, sources: Sequence[str], translations: Sequence[str],
-                               directory: str, *, progress: bool = False) -> int:
-  """Writes `<directory>/<i + 1>.png` for every non-empty source i: the
+                               directory: str, *, progress: bool = False,
+                               first_line: int = 0) -> int:
+  """Writes `<directory>/<first_line + i + 1>.png` for every non-empty source i: the
   encoder-decoder attention of `translations[i]` (`translator.cross_attention`,
   a `translation.Translator`'s), one panel per decoder layer with its heads
   averaged. Shows a tqdm bar on stderr with `progress`. Returns how many
@@ -244,6 +245,6 @@ def save_cross_attention_plots(translator, sources: Sequence[str], translations:
     source_pieces, target_pieces, weights = translator.cross_attention(
         sources[i], translations[i])
     fig = plot_cross_attention(weights, source_pieces, target_pieces, mode="layers",
-                               title=f"line {i + 1}: encoder-decoder attention")
-    save_figure(fig, os.path.join(directory, f"{i + 1}.png"))
+                               title=f"line {first_line + i + 1}: encoder-decoder attention")
+    save_figure(fig, os.path.join(directory, f"{first_line + i + 1}.png"))
   return len(todo)

@@ -49,7 +49,7 @@ import os
 from etils import epath
 
 from transformer.model.transformer import TransformerConfig
-from transformer.runtime import checkpoints
+from transformer.runtime import averaging, checkpoints
 from transformer.runtime import multihost
 from transformer.runtime.errors import OptionError
 
@@ -251,10 +251,28 @@ def checkpoint_choice(which: str | int) -> str | int:
   raise OptionError("checkpoint", which, "choose auto, averaged, latest or a step number")
 
 
+def stale_average_note(workdir: str) -> str | None:
+  """One line when the workdir's averaged checkpoint is older than its latest
+  step (a finished run resumed to train further, then stopped before its new
+  average): "auto" then takes the latest step. None otherwise."""
+  info = averaging.averaged_info(workdir)
+  steps = checkpoints.checkpoint_steps(workdir)
+  if info is None or not steps:
+    return None
+  averaged_up_to = max(info.get("averaged_steps") or [info["step"]])
+  if averaged_up_to >= steps[-1]:
+    return None
+  return (f"note: the averaged checkpoint of {workdir} (steps up to {averaged_up_to}) is "
+          f"older than its latest step {steps[-1]}: decoding step {steps[-1]} "
+          "(--checkpoint=averaged takes the average anyway)")
+
+
 def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
   """The checkpoint `which` names in `workdir`: "averaged" or a step number.
+  "auto": the averaged checkpoint when it is at least as new as the latest
+  step, else the latest step (`stale_average_note` says why).
 
-  Reads only directory listings (nothing is loaded).
+  Reads directory listings and the averaged checkpoint's metadata (no arrays).
   Raises:
     OptionError: `which` is not a checkpoint choice (`checkpoint_choice`).
     CheckpointNotFound: the averaged checkpoint or that step is not there.
@@ -265,7 +283,7 @@ def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
   averaged_dir = os.path.join(workdir, checkpoints.AVERAGED_DIR)
   has_averaged = bool(checkpoints.checkpoint_steps(workdir, checkpoints.AVERAGED_DIR))
   if which == "auto":
-    which = "averaged" if has_averaged else "latest"
+    which = "averaged" if has_averaged and not stale_average_note(workdir) else "latest"
   if which == "averaged":
     if not has_averaged:
       raise CheckpointNotFound(

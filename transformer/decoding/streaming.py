@@ -1,0 +1,261 @@
+"""Decoding a file of any size: lines read in windows, each window decoded
+(sorted by length inside it, `Translator.translate_hypotheses`) and written in
+input order as soon as it is done, so that host memory holds one window, not
+the file; a progress record beside the output lets the same command continue
+after a kill.
+
+    decode_file(translator, "in.txt", "out.txt", options=..., run=...)
+
+The progress record, <output>.progress.json, written whole (rename) after each
+window's lines are on disk (fsync):
+
+    {"lines_done": N, "output_bytes": B, "input_sha256": sha256 of the first
+     N input lines' bytes, "run": {the model and every option that shapes
+     the output}}
+
+Started again with a record present, decoding continues after line N: the
+output is cut back to B bytes (a window written after the last record is
+written again), the first N input lines are read and hashed (a changed input
+is refused), and `run` must equal the record's (a changed model or option is
+refused, naming the difference). The finished output is byte-identical to an
+uninterrupted run's: a line's translation does not depend on the window it
+fell in (sampling keys are per line). The record is removed at the end. No
+record, no resume: an output file is then written afresh. Standard input and
+output stream the same way, without a record.
+
+Several processes (hosts): every process reads the input; each window is
+split across them (`multihost.split_across_processes`), process 0 writes the
+output and the record.
+
+Output formats: "text", one line per input line (n-best: the hypotheses
+tab-separated, best first); "jsonl", one JSON object per input line:
+{"line": 1-based number, "source": ..., "hypotheses": [{"text", "score",
+"log_prob", "length"}, ...]}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+
+import jax
+
+from transformer.data import text_io
+from transformer.decoding.output import format_lines
+from transformer.decoding.translator import Translator
+from transformer.runtime import multihost
+
+WINDOW_LINES = 20_000  # lines read, sorted and decoded together
+OUTPUT_FORMATS = ("text", "jsonl")
+
+
+class ResumeMismatch(ValueError):
+  """A progress record made by another model, option or input than this run's."""
+
+
+def progress_path(output_path: str) -> str:
+  return output_path + ".progress.json"
+
+
+@dataclasses.dataclass
+class Progress:
+  """What the progress record holds (see the module docstring)."""
+
+  lines_done: int
+  output_bytes: int
+  input_sha256: str
+  run: dict
+
+  def save(self, path: str) -> None:
+    text_io.write_atomically(path, json.dumps(dataclasses.asdict(self), sort_keys=True))
+
+  @classmethod
+  def load(cls, path: str) -> "Progress":
+    try:
+      with open(path, encoding="utf-8") as f:
+        return cls(**json.load(f))
+    except (ValueError, TypeError) as e:
+      raise ResumeMismatch(f"{path} is not a progress record ({e}); delete it to start "
+                           "the output afresh") from None
+
+
+def _differences(stored: dict, requested: dict, prefix: str = "") -> list[str]:
+  names = sorted(set(stored) | set(requested))
+  out = []
+  for name in names:
+    a, b = stored.get(name), requested.get(name)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += _differences(a, b, f"{prefix}{name}.")
+    elif a != b:
+      out.append(f"{prefix}{name}: {json.dumps(a)} then, {json.dumps(b)} now")
+  return out
+
+
+def decode_file(translator: Translator, input_path: str | None, output_path: str | None, *,
+                options: dict, run: dict, output_format: str = "text",
+                window_lines: int = WINDOW_LINES, progress: bool = False,
+                on_results=None) -> dict:
+  """Translates the lines of `input_path` (None: standard input) into
+  `output_path` (None: standard output), window by window, resuming from the
+  progress record if there is one.
+
+  Args:
+    translator: the model.
+    options: `translate_hypotheses`' options (method, beam_size, n_best, ...).
+    run: what the output depends on besides `options` (the workdir, the
+      checkpoint, ...); stored in the record and compared on resume.
+    output_format: "text" or "jsonl".
+    window_lines: lines decoded together (sorted by length among themselves).
+    progress: a tqdm bar per window on stderr.
+    on_results: called as on_results(first line number (0-based), sources,
+      hypotheses) with each share of a window this process decodes (e.g. to
+      plot its attention).
+  Returns:
+    {"lines": input lines, "resumed_at": lines found done, "sentences",
+     "decoded", "truncated", "generated_tokens", "seconds", "compile_seconds",
+     "host_seconds"} (the counts of this run).
+  Raises:
+    text_io.NotUtf8Error at a line that is not UTF-8, the lines before it
+    written; ResumeMismatch; text_io.TextFileError.
+  """
+  n_best = options.get("n_best", 1)
+  run = json.loads(json.dumps(dict(run, options=options, output_format=output_format,
+                                   input=input_path)))  # (as it reads back from JSON)
+  is_main = jax.process_index() == 0
+  record_path = progress_path(output_path) if output_path else None
+  record = _plan(record_path, run) if record_path else None
+  lines = text_io.iter_lines(input_path)
+  hasher = hashlib.sha256()
+  line_no = record.lines_done if record else 0
+  for _ in range(line_no):
+    raw, _ = next(lines, (None, None))
+    if raw is None:
+      raise ResumeMismatch(f"{input_path} has fewer lines than the {line_no} that "
+                           f"{record_path} records as done: not the same input")
+    hasher.update(raw)
+  if record and hasher.hexdigest() != record.input_sha256:
+    raise ResumeMismatch(f"{input_path} changed in its first {line_no} lines since "
+                         f"{output_path} was started ({record_path}); delete both to start "
+                         "afresh")
+  out = _open_output(output_path, record) if is_main else None
+  output_bytes = record.output_bytes if record else 0
+  stats = {"lines": line_no, "resumed_at": line_no}
+  try:
+    while True:
+      window, raws, error = [], [], None
+      try:
+        for raw, text in lines:
+          raws.append(raw)
+          window.append(text)
+          if len(window) == window_lines:
+            break
+      except text_io.NotUtf8Error as e:
+        error = e  # (the lines before it are decoded and kept)
+      if window:
+        first = line_no
+
+        def translate_share(share: list[tuple[int, str]]) -> list[str]:
+          if not share:
+            return []
+          results = translator.translate_hypotheses(
+              [text for _, text in share], first_line=share[0][0], progress=progress,
+              **options)
+          _add(stats, translator.last_stats)
+          if on_results is not None:
+            on_results(share[0][0], [text for _, text in share], results)
+          return format_lines(share[0][0], [text for _, text in share], results, n_best,
+                              output_format)
+
+        formatted = multihost.split_across_processes(
+            translate_share, list(enumerate(window, start=first)), what="lines")
+        if is_main:
+          data = "".join(line + "\n" for line in formatted).encode("utf-8")
+          _write(out, data, output_path)
+          output_bytes += len(data)
+        for raw in raws:
+          hasher.update(raw)
+        line_no += len(window)
+        stats["lines"] = line_no
+        if is_main and record_path:
+          Progress(line_no, output_bytes, hasher.hexdigest(), run).save(record_path)
+      if error is not None:
+        raise error
+      if len(window) < window_lines:
+        break
+  finally:
+    if out is not None and out is not sys.stdout.buffer:
+      out.close()
+  if is_main and record_path and os.path.exists(record_path):
+    os.remove(record_path)
+  return stats
+
+
+def _plan(record_path: str, run: dict) -> Progress | None:
+  """The record to resume from (process 0 reads it, every process gets it),
+  or None; ResumeMismatch, on every process, if it is not this run's."""
+  message = b""
+  if jax.process_index() == 0:
+    record, problem = None, ""
+    if os.path.exists(record_path):
+      try:
+        record = Progress.load(record_path)
+        if differences := _differences(record.run, run):
+          problem = (f"{record_path} records a run with another model or options, so "
+                     f"{record_path[:-len('.progress.json')]} cannot be continued: "
+                     f"{'; '.join(differences)}. Run the same command as then, or delete "
+                     "the record to start the output afresh.")
+      except ResumeMismatch as e:
+        problem = str(e)
+    message = json.dumps({"problem": problem,
+                          "record": dataclasses.asdict(record) if record else None}).encode()
+  plan = json.loads(multihost.broadcast_bytes(message)) if jax.process_count() > 1 else (
+      json.loads(message))
+  if plan["problem"]:
+    raise ResumeMismatch(plan["problem"])
+  return Progress(**plan["record"]) if plan["record"] else None
+
+
+def _open_output(output_path: str | None, record: Progress | None):
+  """The output, binary: standard output, a file cut back to the recorded
+  bytes (resuming), or a new file."""
+  if output_path is None:
+    return sys.stdout.buffer
+  try:
+    if record is None:
+      return open(output_path, "wb")
+    out = open(output_path, "r+b")
+    out.truncate(record.output_bytes)
+    out.seek(record.output_bytes)
+    return out
+  except FileNotFoundError:
+    if record is not None:
+      raise ResumeMismatch(f"{output_path} is missing but {progress_path(output_path)} "
+                           "records part of it done; delete the record to start "
+                           "afresh") from None
+    raise text_io.TextFileError(output_path, "cannot create it") from None
+  except OSError as e:
+    raise text_io.TextFileError(output_path, f"cannot write it ({e.strerror or e})") from None
+
+
+def _write(out, data: bytes, output_path: str | None) -> None:
+  """Appends a window's lines and puts them on disk before the record says so."""
+  try:
+    out.write(data)
+    out.flush()
+    if output_path is not None:
+      os.fsync(out.fileno())
+  except BrokenPipeError:  # the reader of standard output left (`| head`)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+  except OSError as e:
+    raise text_io.TextFileError(output_path or "<stdout>",
+                                f"cannot write it ({e.strerror or e})") from None
+
+
+def _add(stats: dict, last: dict) -> None:
+  for key in ("sentences", "decoded", "truncated", "generated_tokens", "seconds",
+              "compile_seconds", "host_seconds"):
+    stats[key] = stats.get(key, 0) + last.get(key, 0)
