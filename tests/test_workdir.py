@@ -101,6 +101,11 @@ def test_resolve_checkpoint(tmp_path):
     workdir.resolve_checkpoint(run, 32)                     # only a temporary one
   averaged = make_workdir(tmp_path / "averaged", steps=[8, 16], averaged=[16])
   assert workdir.resolve_checkpoint(averaged, "auto") == "averaged"
+  # Resumed and trained on past its average: "auto" is the newer step, with a note.
+  stale = make_workdir(tmp_path / "stale", steps=[8, 16, 24], averaged=[16])
+  assert workdir.resolve_checkpoint(stale, "auto") == 24
+  assert "older than its latest step 24" in workdir.stale_average_note(stale)
+  assert workdir.stale_average_note(averaged) is None
   empty = make_workdir(tmp_path / "empty")
   with pytest.raises(FileNotFoundError, match="no checkpoint in .*python train.py"):
     workdir.resolve_checkpoint(empty, "latest")

@@ -255,11 +255,14 @@ def stale_average_note(workdir: str) -> str | None:
   """One line when the workdir's averaged checkpoint is older than its latest
   step (a finished run resumed to train further, then stopped before its new
   average): "auto" then takes the latest step. None otherwise."""
-  info = averaging.averaged_info(workdir)
+  averaged = checkpoints.checkpoint_steps(workdir, checkpoints.AVERAGED_DIR)
   steps = checkpoints.checkpoint_steps(workdir)
-  if info is None or not steps:
+  if not averaged or not steps:
     return None
-  averaged_up_to = max(info.get("averaged_steps") or [info["step"]])
+  try:  # the steps it averages; else the step it is filed under (the last of them)
+    averaged_up_to = max(averaging.averaged_info(workdir)["averaged_steps"])
+  except (OSError, ValueError, KeyError, TypeError):
+    averaged_up_to = averaged[-1]
   if averaged_up_to >= steps[-1]:
     return None
   return (f"note: the averaged checkpoint of {workdir} (steps up to {averaged_up_to}) is "
