@@ -90,6 +90,10 @@ _OUTPUT_FORMAT = flags.DEFINE_enum(
 _WINDOW_LINES = flags.DEFINE_integer(
     "window_lines", 20_000, "Input lines read, sorted by length and decoded together; each "
     "window's output is written (and the progress record updated) as soon as it is done.")
+_PARAM_SHARDING = flags.DEFINE_enum(
+    "param_sharding", "replicated", ["replicated", "fsdp"], "replicated: the parameters "
+    "on every device; fsdp: each array split over this process's devices (a model larger "
+    "than one device, e.g. trained with --config.state_sharding=fsdp).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (or "
     "$JAX_COORDINATOR_ADDRESS). Slurm, Open MPI and Cloud TPU jobs of several processes "
@@ -189,7 +193,8 @@ def load_translator(workdir: str, which: str | int):
   """(Translator, a description of its checkpoint); WorkdirError if a file
   of the workdir cannot be read."""
   try:
-    translator, info = loader.load_translator(workdir, which, with_info=True)
+    translator, info = loader.load_translator(workdir, which, with_info=True,
+                                              param_sharding=_PARAM_SHARDING.value)
   except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
   if info["kind"] == "averaged":

@@ -4,19 +4,24 @@ config, the vocabulary and the checkpoint chosen by `workdir.resolve_checkpoint`
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 from transformer.data.tokenizer import load_tokenizer
 from transformer.decoding.translator import Translator
 from transformer.model.transformer import init_params
-from transformer.runtime import averaging, multihost
+from transformer.runtime import averaging, multihost, parallel
 from transformer.runtime.workdir import (check_files, load_model_config, resolve_checkpoint,
-                                         vocab_path)
+                                         stale_average_note, vocab_path)
+
+logger = logging.getLogger(__name__)
 
 
 def load_translator(workdir: str, checkpoint: str | int = "auto", *,
-                    with_info: bool = False):
+                    with_info: bool = False, param_sharding: str = "replicated"):
   """A Translator for a workdir written by train.py.
 
   Args:
@@ -25,6 +30,9 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
       "averaged", "latest", or a step number.
     with_info: also return what was loaded: `averaging.load_params`' info
       ("kind": "averaged" | "step", "step", "path", and "averaged_steps").
+    param_sharding: "replicated", or "fsdp": each array restored straight into
+      its slices over this process's devices (see `Translator`), never whole
+      on one device.
   Returns:
     The Translator, or (Translator, info) with `with_info=True`.
   Raises:
@@ -38,11 +46,18 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   model_config = load_model_config(workdir)
   tokenizer = load_tokenizer(vocab_path(workdir))
   target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
+  if param_sharding == "fsdp":
+    mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
+    target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=sharding),
+                          target, parallel.state_shardings(target, mesh, "fsdp"))
+  if note := (checkpoint == "auto" and stale_average_note(workdir)):
+    logger.warning("%s", note)
   try:
     params, info = averaging.load_params(workdir, target, which=which, with_info=True)
   except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
     raise FileNotFoundError(f"cannot load the parameters: {e}") from e
   except ValueError as e:
     raise ValueError(f"cannot load the parameters: {e}") from e
-  translator = Translator(model_config, params, tokenizer)
+  translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding)
   return (translator, info) if with_info else translator

@@ -43,6 +43,7 @@ from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
 from transformer.model.kv_cache import init_cache, reorder_cache
 from transformer.model.transformer import Transformer
+from transformer.runtime import parallel
 from transformer.runtime.errors import OptionError
 
 METHODS = ("greedy", "beam", "sample")
@@ -145,32 +146,49 @@ class Translator:
     model_config: the model's TransformerConfig.
     params: its parameters.
     tokenizer: the shared SentencePiece vocabulary.
+    param_sharding: "replicated" (a copy on every local device) or "fsdp"
+      (each array split over the local devices on its largest divisible axis,
+      `parallel.fsdp_spec`, as training's `state_sharding="fsdp"`: a model
+      larger than one device's memory decodes; XLA gathers each layer's
+      weights where it is used, never the whole model on one device).
   Batches are sharded over this process's local devices.
   """
 
-  def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer):
+  def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
+               param_sharding: str = "replicated"):
     self.config = model_config
     self.tokenizer = tokenizer
     self.model = Transformer(model_config)
     self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
+    if param_sharding not in parallel.STATE_SHARDINGS:
+      raise OptionError("param_sharding", param_sharding,
+                        f"must be one of {', '.join(parallel.STATE_SHARDINGS)}")
+    self.param_sharding = param_sharding
     self.last_stats: dict[str, float] = {}
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
-    self._logits_kernel_fn = jax.jit(lambda p: self.model.apply(
-        {"params": p}, method=Transformer.logits_kernel))
+    def logits_kernel(params):  # (split like the embedding it comes from, under fsdp)
+      kernel = self.model.apply({"params": params}, method=Transformer.logits_kernel)
+      if kernel is None or param_sharding == "replicated":
+        return kernel
+      return jax.lax.with_sharding_constraint(
+          kernel, NamedSharding(self.mesh, parallel.fsdp_spec(kernel.shape,
+                                                              len(self.mesh.devices.flat))))
+    self._logits_kernel_fn = jax.jit(logits_kernel)
     self.set_params(params)
 
   def set_params(self, params) -> None:
     """Translates with `params` from now on (same shapes: e.g. a later
     checkpoint of the same model, as training's evaluation does). The
     compiled decoders are kept: they take the parameters as an argument."""
-    if jax.process_count() > 1:  # global arrays -> this process's devices
-      from transformer.runtime import parallel
-      params = parallel.to_host(params)
-    self.params = jax.device_put(params, NamedSharding(self.mesh, P()))
+    if jax.process_count() > 1 and self.param_sharding == "replicated":
+      params = parallel.to_host(params)  # global arrays -> this process's devices
+    self._param_shardings = parallel.state_shardings(params, self.mesh, self.param_sharding)
+    self.params = jax.device_put(params, self._param_shardings)
     # The tied output projection laid out for decoding steps, once for all
     # batches (a transpose of the embedding: 40 ms for the base model on CPU).
     self.logits_kernel = self._logits_kernel_fn(self.params)
+    self._logits_kernel_sharding = jax.tree.map(lambda x: x.sharding, self.logits_kernel)
 
   # -- the jitted decoder ----------------------------------------------------
 
@@ -220,8 +238,9 @@ class Translator:
 
     data = NamedSharding(self.mesh, P("data"))
     replicated = NamedSharding(self.mesh, P())
-    return jax.jit(run, in_shardings=(replicated, replicated, data, replicated, data, data,
-                                      replicated, replicated, replicated, replicated),
+    return jax.jit(run, in_shardings=(self._param_shardings, self._logits_kernel_sharding,
+                                      data, replicated, data, data, replicated, replicated,
+                                      replicated, replicated),
                    out_shardings=(data, data))
 
   # -- the public API --------------------------------------------------------
@@ -446,7 +465,7 @@ class Translator:
                         for i in range(cfg.num_decoder_layers)])
 
     replicated = NamedSharding(self.mesh, P())
-    fn = jax.jit(run, in_shardings=(replicated, replicated, replicated),
+    fn = jax.jit(run, in_shardings=(self._param_shardings, replicated, replicated),
                  out_shardings=replicated)
     self._compiled["cross_attention"] = fn
     return fn

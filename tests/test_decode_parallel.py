@@ -1,0 +1,98 @@
+"""decode.py on several devices and several processes: parameters split over
+8 simulated devices (FSDP) decode as replicated ones do, and two processes on
+localhost write the output one process writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from transformer.data import demo_task
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"
+sys.path.insert(0, str(REPO / "tests"))
+from helpers import free_port, run_together, subprocess_env  # noqa: E402
+
+FSDP_VS_REPLICATED = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+from transformer.decoding import loader
+from transformer.runtime import parallel
+sentences = json.loads(sys.argv[2])
+out = {}
+with jax.default_matmul_precision("highest"):
+  for sharding in ("replicated", "fsdp"):
+    translator = loader.load_translator(sys.argv[1], param_sharding=sharding)
+    shards = {str(path): [list(s.data.shape) for s in leaf.addressable_shards]
+              for path, leaf in jax.tree_util.tree_leaves_with_path(translator.params)}
+    out[sharding] = {
+        "devices": len(jax.devices()),
+        "bytes_per_device": parallel.bytes_per_device(translator.params),
+        "shards": shards,
+        "shapes": {str(path): list(leaf.shape)
+                   for path, leaf in jax.tree_util.tree_leaves_with_path(translator.params)},
+        "greedy": translator.translate_hypotheses(sentences, method="greedy", batch_size=8),
+        "beam": translator.translate_hypotheses(sentences, method="beam", n_best=2,
+                                                batch_size=8),
+        "sample": translator.translate(sentences, method="sample", top_k=5, seed=1,
+                                       batch_size=8)}
+print(json.dumps(out))
+"""
+
+
+def test_fsdp_parameters_on_eight_devices_decode_as_replicated_ones():
+  sentences = [s for s, _ in demo_task.demo_splits(1, num_train=40, num_eval=1,
+                                                   num_test=1)["train"]] + [""]
+  result = subprocess.run([sys.executable, "-c", FSDP_VS_REPLICATED, str(FIXTURE_WORKDIR),
+                           json.dumps(sentences)], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.splitlines()[-1])
+  rep, fsdp = out["replicated"], out["fsdp"]
+  assert rep["devices"] == fsdp["devices"] == 8
+  # Split, never whole on one device: every array whose largest axis 8 divides
+  # holds an eighth of it per device (restored that way, not gathered first).
+  split = 0
+  for name, shape in fsdp["shapes"].items():
+    shard_shapes = fsdp["shards"][name]
+    assert len(shard_shapes) == 8
+    if any(n % 8 == 0 for n in shape):
+      assert all(np.prod(s) * 8 == np.prod(shape) for s in shard_shapes), name
+      split += 1
+  assert split >= len(fsdp["shapes"]) // 2
+  assert fsdp["bytes_per_device"] * 4 < rep["bytes_per_device"]
+  for method in ("greedy", "beam"):
+    texts = lambda r: [[h[0] for h in hyps] for hyps in r[method]]
+    assert texts(fsdp) == texts(rep), method
+    np.testing.assert_allclose([[h[1] for h in hyps] for hyps in fsdp[method]],
+                               [[h[1] for h in hyps] for hyps in rep[method]], atol=1e-5)
+  assert fsdp["sample"] == rep["sample"]
+
+
+
+def test_two_processes_on_localhost_write_what_one_process_writes(tmp_path):
+  pairs = demo_task.demo_splits(2, num_train=700, num_eval=1, num_test=1)["train"]
+  src = tmp_path / "in.txt"
+  src.write_text("".join(s + "\n" for s, _ in pairs[:300]) + "\n"
+                 + "".join(s + "\n" for s, _ in pairs[300:]))
+  env = subprocess_env(tmp_path / "cache")
+  common = [sys.executable, "decode.py", f"--workdir={FIXTURE_WORKDIR}", f"--input={src}",
+            "--window_lines=250", "--quiet", "--n_best=2", "--output_format=jsonl"]
+  one = tmp_path / "one.jsonl"
+  run_together([common + [f"--output={one}"]], env, timeout=300)
+  port = free_port()
+  two = tmp_path / "two.jsonl"
+  run_together([common + [f"--output={two}", f"--coordinator_address=127.0.0.1:{port}",
+                          "--num_processes=2", f"--process_id={i}"] for i in range(2)],
+               env, timeout=300)
+  lines = two.read_text().splitlines()
+  assert len(lines) == 701 and json.loads(lines[300]) == {"line": 301, "source": "",
+                                                          "hypotheses": []}
+  assert two.read_bytes() == one.read_bytes()
