@@ -50,7 +50,9 @@ def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=No
   fn = translator._decode_fn(method, NUM_SENTENCES, SRC_LEN, GEN_LEN, beam_size, 0)
   inputs = np.asarray(jax.random.randint(jax.random.key(1), (NUM_SENTENCES, SRC_LEN), 3,
                                          config.vocab_size))
-  args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), 0.6, 1.0, 1.0, GEN_LEN)
+  rows = np.zeros(NUM_SENTENCES, np.int32)  # (each row's line and copy: sampling's keys)
+  args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), rows, rows,
+          0.6, 1.0, 1.0, GEN_LEN)
   start = time.perf_counter()
   compiled = fn.lower(*args).compile(compiler_options=compiler_options)
   return compiled, args, time.perf_counter() - start

@@ -165,6 +165,7 @@ class Translator:
                         f"must be one of {', '.join(parallel.STATE_SHARDINGS)}")
     self.param_sharding = param_sharding
     self.last_stats: dict[str, float] = {}
+    self.overlap = True  # detokenize batch k - 1 while the device decodes batch k
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
     def logits_kernel(params):  # (split like the embedding it comes from, under fsdp)
@@ -349,6 +350,9 @@ class Translator:
         generated += finish(pending)
         host_seconds += time.perf_counter() - host_start
       pending = ((shape, members), seqs, scores)
+      if not self.overlap:  # (for measuring what the overlap gains)
+        generated += finish(pending)
+        pending = None
     if pending is not None:
       generated += finish(pending)
     bar.close()
