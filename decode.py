@@ -8,9 +8,15 @@
 One line in, one line out: N input lines give exactly N output lines, in input
 order (the last line counts even without a final newline); an empty (or
 blank) line gives an empty line. With --n_best > 1 the hypotheses of one input
-share its output line, tab-separated, best first. When --output is a file it is
-written under a temporary name and renamed at the end, so an interrupted or
-failed run never leaves half a file.
+share its output line, tab-separated, best first; --output_format=jsonl gives
+one JSON object per line with every hypothesis' score, log-probability and length.
+
+Files of any size: the input is read --window_lines at a time, and each
+window's translations are appended as soon as they are done. Beside an
+--output file, <output>.progress.json records how far it got: after a kill,
+the same command continues there (and refuses, naming it, another model,
+option or input); the finished file is the one an uninterrupted run writes.
+Several processes (hosts) split each window (--num_processes, ... as train.py).
 
 The workdir is what train.py wrote: model_config.json, vocab.model (or the
 config's vocab_path) and checkpoints/ (and checkpoints_averaged/). By default
@@ -286,7 +292,8 @@ def main(argv) -> int:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
     return 2 if isinstance(e, UsageError) else 1
   except KeyboardInterrupt:
-    print("\nInterrupted (an --output file is only ever written whole).", file=sys.stderr)
+    print("\nInterrupted: the same command continues after the last finished window "
+          "(an --output file's progress record says where).", file=sys.stderr)
     return 130
   return 0
 
