@@ -1,0 +1,139 @@
+"""Export to CTranslate2 (transformer/interop/ctranslate2_export.py), checked
+against CTranslate2's own implementation: its teacher-forced log-probabilities
+(`score_batch`) against this model's log-softmax, for every layout a config
+can choose, and its greedy translations against the Translator's on a
+trained model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+
+from transformer.data import demo_task  # noqa: E402
+from transformer.data.tokenizer import load_tokenizer  # noqa: E402
+from transformer.interop import ctranslate2_export  # noqa: E402
+from transformer.model import Transformer, TransformerConfig, init_params  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  return load_tokenizer(str(FIXTURE_WORKDIR / "vocab.model"))
+
+
+def _pieces(tokenizer, ids):
+  return [tokenizer.id_to_piece(i) for i in ids]
+
+
+def _our_log_probs(config, params, sources, targets):
+  """Per sentence, sum over target tokens + EOS of log p under teacher forcing
+  (the model's own forward pass and log-softmax, float32, highest precision)."""
+  out = []
+  with jax.default_matmul_precision("highest"):
+    for src, tgt in zip(sources, targets):
+      inputs = jnp.asarray([src + [config.eos_id]], jnp.int32)
+      labels = tgt + [config.eos_id]
+      decoder_inputs = jnp.asarray([[config.bos_id] + labels[:-1]], jnp.int32)
+      logits = Transformer(config).apply({"params": params}, inputs, decoder_inputs)
+      log_probs = jax.nn.log_softmax(logits[0], axis=-1)
+      out.append(float(sum(log_probs[t, label] for t, label in enumerate(labels))))
+  return np.asarray(out)
+
+
+VARIANTS = {
+    "paper (post-LN, tied, relu, sinusoidal)": {},
+    "pre-LN": {"normalization": "pre"},
+    "untied, own output projection": {"share_embeddings": False,
+                                      "logits_via_embedding": False},
+    "gelu, learned positions": {"activation": "gelu", "positional": "learned"},
+    "scan_layers, 3 + 2 layers": {"scan_layers": True, "num_encoder_layers": 3,
+                                  "num_decoder_layers": 2},
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_ctranslate2_scores_what_this_model_scores(variant, tokenizer, tmp_path):
+  fields = dict(vocab_size=tokenizer.vocab_size, d_model=32, num_heads=4, d_ff=64,
+                num_encoder_layers=2, num_decoder_layers=2, max_len=64)
+  config = TransformerConfig(**{**fields, **VARIANTS[variant]})
+  params = init_params(config, jax.random.key(1))
+  # Random parameters make every token plausible: sharper than the init's near-uniform logits.
+  params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x + 0.1, params)
+  out = ctranslate2_export.export(config, params, tokenizer, str(tmp_path / "ct2"))
+  rng = np.random.default_rng(0)
+  sources = [list(rng.integers(4, tokenizer.vocab_size, size=n)) for n in (3, 7, 12)]
+  targets = [list(rng.integers(4, tokenizer.vocab_size, size=n)) for n in (5, 2, 9)]
+  scored = ctranslate2.Translator(out, intra_threads=1).score_batch(
+      [_pieces(tokenizer, s) for s in sources], [_pieces(tokenizer, t) for t in targets])
+  theirs = np.asarray([sum(r.log_probs) for r in scored])
+  assert [len(r.log_probs) for r in scored] == [len(t) + 1 for t in targets]  # + EOS
+  np.testing.assert_allclose(theirs, _our_log_probs(config, params, sources, targets),
+                             rtol=1e-4, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  out = tmp_path_factory.mktemp("ct2") / "model"
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer.interop.ctranslate2_export",
+       f"--workdir={FIXTURE_WORKDIR}", f"--output_dir={out}"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return out
+
+
+def test_a_trained_workdir_translates_the_same_in_ctranslate2(trained):
+  import sentencepiece as spm
+  import transformer
+  sources = [s for s, _ in demo_task.demo_splits(3, num_train=60, num_eval=1,
+                                                 num_test=1)["train"]]
+  with jax.default_matmul_precision("highest"):
+    ours = transformer.load_translator(str(FIXTURE_WORKDIR)).translate_hypotheses(
+        sources, method="greedy")
+  sp = spm.SentencePieceProcessor(model_file=str(trained / "vocab.model"))
+  translator = ctranslate2.Translator(str(trained), intra_threads=1)
+  results = translator.translate_batch([sp.encode(s, out_type=str) for s in sources],
+                                       beam_size=1, max_decoding_length=100,
+                                       return_scores=True)
+  assert [sp.decode(r.hypotheses[0]) for r in results] == [h[0].text for h in ours]
+  # Its greedy score is log p / length: float32 sums in another order.
+  np.testing.assert_allclose([r.scores[0] for r in results],
+                             [h[0].log_prob / h[0].length for h in ours], rtol=0, atol=2e-4)
+
+
+def test_quantized_exports_translate(tmp_path):
+  import sentencepiece as spm
+  sources = [s for s, _ in demo_task.demo_splits(4, num_train=40, num_eval=1,
+                                                 num_test=1)["train"]]
+  sp = spm.SentencePieceProcessor(model_file=str(FIXTURE_WORKDIR / "vocab.model"))
+  tokens = [sp.encode(s, out_type=str) for s in sources]
+  outputs = {}
+  for quantization in ("float32", "int8", "int8_float32", "float16"):
+    out = ctranslate2_export.export_workdir(str(FIXTURE_WORKDIR),
+                                            str(tmp_path / quantization),
+                                            quantization=quantization)
+    translator = ctranslate2.Translator(out, intra_threads=1)
+    outputs[quantization] = [sp.decode(r.hypotheses[0]) for r in
+                             translator.translate_batch(tokens, beam_size=1)]
+  for quantization in ("int8", "int8_float32", "float16"):  # lossy, but the same model
+    same = np.mean([a == b for a, b in zip(outputs[quantization], outputs["float32"])])
+    assert same >= 0.8, (quantization, same)
+
+
+def test_the_command_names_a_missing_workdir(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "transformer.interop.ctranslate2_export",
+       f"--workdir={tmp_path / 'nowhere'}", f"--output_dir={tmp_path / 'out'}"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  assert "nowhere" in result.stderr and "Traceback" not in result.stderr
