@@ -58,6 +58,7 @@ VARIANTS = {
     "gelu, learned positions": {"activation": "gelu", "positional": "learned"},
     "scan_layers, 3 + 2 layers": {"scan_layers": True, "num_encoder_layers": 3,
                                   "num_decoder_layers": 2},
+    "swish, logits bias (Marian's)": {"activation": "swish", "logits_bias": True},
 }
 
 
@@ -67,8 +68,13 @@ def test_ctranslate2_scores_what_this_model_scores(variant, tokenizer, tmp_path)
                 num_encoder_layers=2, num_decoder_layers=2, max_len=64)
   config = TransformerConfig(**{**fields, **VARIANTS[variant]})
   params = init_params(config, jax.random.key(1))
-  # Random parameters make every token plausible: sharper than the init's near-uniform logits.
-  params = jax.tree.map(lambda x: x * 3.0 if x.ndim >= 2 else x + 0.1, params)
+  # Sharper than the init's near-uniform logits, and no bias, scale or logits
+  # bias left at a constant (a constant logits bias would not show).
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(2), len(leaves))
+  params = jax.tree.unflatten(treedef, [
+      x * 3.0 if x.ndim >= 2 else x + 0.5 * jax.random.normal(k, x.shape)
+      for x, k in zip(leaves, keys)])
   out = ctranslate2_export.export(config, params, tokenizer, str(tmp_path / "ct2"))
   rng = np.random.default_rng(0)
   sources = [list(rng.integers(4, tokenizer.vocab_size, size=n)) for n in (3, 7, 12)]

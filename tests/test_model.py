@@ -150,7 +150,7 @@ def test_residual_layer_norm_worked_example():
   np.testing.assert_allclose(np.asarray(out), [[3.0, 7.0]], atol=1e-6)
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swish"])
 def test_feed_forward_matches_numpy(activation):
   cfg = tiny_config(activation=activation)
   x = np.random.default_rng(3).normal(size=(2, 3, cfg.d_model))
@@ -161,10 +161,37 @@ def test_feed_forward_matches_numpy(activation):
   pre = x @ p["inner"]["kernel"] + p["inner"]["bias"]
   if activation == "relu":
     hidden = np.maximum(0.0, pre)
+  elif activation == "swish":  # x sigmoid(x) (OPUS-MT's feed-forward)
+    hidden = pre / (1 + np.exp(-pre))
   else:  # tanh approximation, as jax.nn.gelu by default
     hidden = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
   ref = hidden @ p["outer"]["kernel"] + p["outer"]["bias"]
   np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4)
+
+
+def test_logits_bias_is_added_to_every_position_in_both_paths():
+  """With `logits_bias` the output logits are those without it plus the bias,
+  teacher-forced and in a decoding step alike."""
+  cfg = tiny_config(logits_bias=True)
+  plain = tiny_config()
+  params = M.init_params(cfg, jax.random.key(0))
+  bias = np.random.default_rng(0).normal(size=cfg.vocab_size).astype(np.float32)
+  params = dict(params, decoder=dict(params["decoder"], logits_bias=jnp.asarray(bias)))
+  without = {k: v for k, v in params["decoder"].items() if k != "logits_bias"}
+  inputs = jnp.asarray([[5, 6, 7, 1]], jnp.int32)
+  decoder_inputs = jnp.asarray([[2, 8, 9]], jnp.int32)
+  with_bias = M.Transformer(cfg).apply({"params": params}, inputs, decoder_inputs)
+  no_bias = M.Transformer(plain).apply({"params": dict(params, decoder=without)}, inputs,
+                                       decoder_inputs)
+  np.testing.assert_allclose(with_bias, no_bias + bias, rtol=1e-5, atol=1e-5)
+  from transformer.model import kv_cache
+  model = M.Transformer(cfg)
+  encoded = model.apply({"params": params}, inputs, method=M.Transformer.encode)
+  memory = model.apply({"params": params}, encoded, inputs, method=M.Transformer.encoder_memory)
+  logits, _ = model.apply({"params": params}, jnp.asarray([2], jnp.int32),
+                          kv_cache.init_cache(cfg, 1, 4), memory,
+                          method=M.Transformer.decode_step)
+  np.testing.assert_allclose(logits[0], with_bias[0, 0], rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------

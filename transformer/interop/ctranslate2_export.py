@@ -114,7 +114,8 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
   from ctranslate2.specs import common_spec, transformer_spec
   params = jax_tree_to_numpy(params)
   activation = {"relu": common_spec.Activation.RELU,
-                "gelu": common_spec.Activation.GELUTanh}[config.activation]  # flax's nn.gelu
+                "gelu": common_spec.Activation.GELUTanh,  # flax's nn.gelu
+                "swish": common_spec.Activation.SWISH}[config.activation]
   pre_norm = config.normalization == "pre"
   spec = transformer_spec.TransformerSpec.from_config(
       (config.num_encoder_layers, config.num_decoder_layers), config.num_heads,
@@ -143,10 +144,15 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
     _norm(spec.decoder.layer_norm, params["decoder"]["final_norm"])
   if config.logits_via_embedding:
     spec.decoder.projection.weight = spec.decoder.embeddings.weight
+    bias = np.zeros(config.vocab_size, np.float32)
   else:
     projection = params["decoder"]["output_projection"]
     spec.decoder.projection.weight = _t(projection["kernel"])
-    spec.decoder.projection.bias = _b(projection["bias"])
+    bias = _b(projection["bias"])
+  if config.logits_bias:
+    bias = bias + _b(params["decoder"]["logits_bias"])
+  if config.logits_bias or not config.logits_via_embedding:
+    spec.decoder.projection.bias = bias
   pieces = [tokenizer.id_to_piece(i) for i in range(tokenizer.vocab_size)]
   spec.register_source_vocabulary(pieces)
   spec.register_target_vocabulary(pieces)

@@ -27,7 +27,9 @@ class TransformerConfig:
   share_embeddings: bool = True    # one embedding for source and target tokens
   logits_via_embedding: bool = True  # pre-softmax projection = embedding^T
   normalization: str = "post"      # "post" (paper) or "pre" (LayerNorm first)
-  activation: str = "relu"         # feed-forward non-linearity: "relu" or "gelu"
+  activation: str = "relu"         # feed-forward non-linearity: "relu", "gelu" or
+                                   # "swish" (OPUS-MT / Marian models)
+  logits_bias: bool = False        # a learned bias on the output logits (Marian's)
   positional: str = "sinusoidal"   # "sinusoidal" (paper) or "learned"
   layer_norm_epsilon: float = 1e-6
   dtype: str = "float32"           # compute dtype ("bfloat16" on accelerators)
@@ -70,7 +72,7 @@ class TransformerConfig:
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
-_CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu"),
+_CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu", "swish"),
             "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
             "param_dtype": _DTYPES, "attention_implementation": (None, "xla", "cudnn")}
 

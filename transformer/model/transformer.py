@@ -225,14 +225,15 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-  """Section 3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position."""
+  """Section 3.3: FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, applied to each position
+  (max(0, .) is ReLU; `activation` may choose GELU or swish instead)."""
 
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     cfg = self.config
-    activation = nn.relu if cfg.activation == "relu" else nn.gelu
+    activation = {"relu": nn.relu, "gelu": nn.gelu, "swish": nn.swish}[cfg.activation]
     h = activation(_dense(cfg, cfg.d_ff, name="inner")(x))
     return _dense(cfg, cfg.d_model, name="outer")(h)
 
@@ -436,6 +437,9 @@ class Decoder(nn.Module):
       self.final_norm = _layer_norm(cfg)
     if not cfg.logits_via_embedding:
       self.output_projection = _dense(cfg, cfg.vocab_size)
+    if cfg.logits_bias:  # (not the paper's; Marian's final_logits_bias)
+      self.logits_bias = self.param("logits_bias", nn.initializers.zeros, (cfg.vocab_size,),
+                                    cfg.params_dtype)
 
   def __call__(self, decoder_inputs: Array, segment_ids: Array, positions: Array,
                encoded: Array, encoder_segment_ids: Array) -> Array:
@@ -459,6 +463,8 @@ class Decoder(nn.Module):
       logits = self.embeddings.attend(y)
     else:
       logits = self.output_projection(y)
+    if cfg.logits_bias:
+      logits = logits + self.logits_bias.astype(logits.dtype)
     return logits.astype(jnp.float32)
 
   def memory(self, encoded: Array):
