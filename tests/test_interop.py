@@ -37,17 +37,21 @@ def _pieces(tokenizer, ids):
 
 def _our_log_probs(config, params, sources, targets):
   """Per sentence, sum over target tokens + EOS of log p under teacher forcing
-  (the model's own forward pass and log-softmax, float32, highest precision)."""
-  out = []
+  (the model's own forward pass and log-softmax, float32, highest precision),
+  the sentences padded into one batch (padding is masked: source keys by their
+  pad id, later target positions by the causal mask)."""
+  src_len = max(len(s) for s in sources) + 1
+  tgt_len = max(len(t) for t in targets) + 1
+  inputs = np.full((len(sources), src_len), config.pad_id, np.int32)
+  decoder_inputs = np.full((len(sources), tgt_len), config.pad_id, np.int32)
+  for row, (src, tgt) in enumerate(zip(sources, targets)):
+    inputs[row, :len(src) + 1] = src + [config.eos_id]
+    decoder_inputs[row, :len(tgt) + 1] = [config.bos_id] + tgt
   with jax.default_matmul_precision("highest"):
-    for src, tgt in zip(sources, targets):
-      inputs = jnp.asarray([src + [config.eos_id]], jnp.int32)
-      labels = tgt + [config.eos_id]
-      decoder_inputs = jnp.asarray([[config.bos_id] + labels[:-1]], jnp.int32)
-      logits = Transformer(config).apply({"params": params}, inputs, decoder_inputs)
-      log_probs = jax.nn.log_softmax(logits[0], axis=-1)
-      out.append(float(sum(log_probs[t, label] for t, label in enumerate(labels))))
-  return np.asarray(out)
+    logits = jax.jit(Transformer(config).apply)({"params": params}, inputs, decoder_inputs)
+  log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+  return np.asarray([sum(log_probs[row, t, label] for t, label in enumerate(tgt + [config.eos_id]))
+                     for row, tgt in enumerate(targets)])
 
 
 VARIANTS = {
