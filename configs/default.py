@@ -24,6 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
       tfds_test_split="test", source_lang="en", target_lang="de", tfds_data_dir="",
   ))
   config.vocab_path = ""        # empty: train SentencePiece into <workdir>/vocab.model
+  # Fine-tuning: start from another workdir's parameters (its checkpoint
+  # "auto" chooses) with a fresh optimizer and that workdir's vocabulary.
+  config.init_from = ""
   config.vocab_size = 400       # pieces of the trained vocabulary (a soft limit)
   # BPE splits the demo's compounds into morpheme-like pieces
   # ("dreihundert zwei undvierzig"); "unigram" is SentencePiece's default.

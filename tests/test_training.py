@@ -402,6 +402,28 @@ def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
   assert [p.name for p in tmp_path.iterdir()] == [workdir_lib.LOCK_FILE]
 
 
+def test_init_from_starts_from_another_workdirs_parameters_and_vocabulary(tmp_path,
+                                                                          reference_run):
+  """Fine-tuning: with a learning rate of 0 the new run's checkpoint holds
+  exactly the parameters it started from (the reference's averaged ones), and
+  its vocabulary is the reference's; a model of other shapes is refused."""
+  ref_dir, _ = reference_run
+  tuned = tmp_path / "tuned"
+  train(tuned, dict(REF, init_from=str(ref_dir), num_train_steps=2, checkpoint_every=2,
+                    average_last=1, learning_rate_scale=0.0, test_report=False))
+  started, source = load_params(tuned, "latest"), load_params(ref_dir, "averaged")
+  assert checkpoints.checkpoint_steps(str(tuned)) == [2]
+  for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(source)):
+    np.testing.assert_array_equal(a, b)
+  assert (tuned / workdir_lib.VOCAB_FILE).read_bytes() == (
+      ref_dir / workdir_lib.VOCAB_FILE).read_bytes()
+  with pytest.raises(ValueError, match=r"config.init_from=.*parameter .* is \(.*\) there, "
+                     r"\(.*\) here"):
+    train(tmp_path / "other", dict(REF, init_from=str(ref_dir), **{"model.d_model": 48}))
+  with pytest.raises(ValueError, match=r"config.init_from=.*nowhere"):
+    train(tmp_path / "missing", dict(REF, init_from=str(tmp_path / "nowhere")))
+
+
 def test_a_changed_config_stops_the_run_before_anything_is_loaded(tmp_path, reference_run,
                                                                   monkeypatch):
   ref_dir, _ = reference_run

@@ -79,6 +79,7 @@ RESUMABLE_FIELDS = (
     "num_bleu_examples", "eval_decode_method", "eval_beam_size",
     "checkpoint_every", "keep_checkpoints", "average_last",
     "data.tfds_data_dir", "state_sharding",
+    "init_from",  # (read at step 0 only; a resumed run continues from its own checkpoint)
 )
 
 logger = logging.getLogger(__name__)

@@ -124,8 +124,11 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
     train_pairs = data_sources.load_split(config.data, "train")
   if eval_pairs is None:
     eval_pairs = data_sources.load_split(config.data, "eval")
+  if config.get("init_from"):
+    run_setup.load_init_from_config(config)  # (named before its vocabulary is read)
   tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs, shared=shared)
   model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
+  init_from = run_setup.check_init_from(config, model_config) if config.get("init_from") else ""
   logger.info("%s", attention_choice.attention_implementation_name(model_config))
   if is_main or not shared:
     workdir_lib.save_configs(workdir, config.to_dict(), model_config)
@@ -139,6 +142,8 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
       workdir, keep=config.keep_checkpoints, save_every=config.checkpoint_every,
       per_process=not shared))
   state, start_step = _resume(ckpt, state, train_iter, workdir)
+  if init_from and not start_step:
+    state = _start_from(init_from, state)
 
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   stack.callback(writer.close)
@@ -174,6 +179,18 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
                      samples=evaluate.samples, workdir=workdir, test=test_summary,
                      minutes=budget.spent() / 60, stopped_by_time=monitor.stopped_by_time,
                      warnings=monitor.warnings)
+
+
+def _start_from(source: str, state: dict) -> dict:
+  """`state` with the parameters of the workdir `source` (its "auto"
+  checkpoint), laid out as `state`'s own, and its fresh optimizer: fine-tuning."""
+  which = workdir_lib.resolve_checkpoint(source, "auto")
+  params, info = averaging.load_params(str(multihost.resolve(source)), state["params"],
+                                       which=which, with_info=True)
+  logger.info("Starting from the parameters of %s (%s), with a fresh optimizer.", source,
+              f"averaged steps {info['averaged_steps']}" if info["kind"] == "averaged"
+              else f"step {info['step']}")
+  return dict(state, params=params)
 
 
 def _time_budget(config, ckpt: checkpoints.Checkpointer, num_test: int,

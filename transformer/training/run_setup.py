@@ -40,6 +40,16 @@ def _unknown_model_fields(config) -> list[str]:
   return sorted(set(config.model.keys()) - names)
 
 
+def vocabulary_file(config) -> str:
+  """The vocabulary a run must use as it is: config.vocab_path, else that of
+  the workdir it starts from (config.init_from); "" to train one."""
+  if config.get("vocab_path"):
+    return config.vocab_path
+  if config.get("init_from"):
+    return workdir_lib.vocab_path(config.init_from)
+  return ""
+
+
 def get_tokenizer(config, workdir: str, train_pairs, *,
                   shared: bool = True) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
@@ -56,8 +66,8 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
   model, error = None, None
   if is_main:
     try:
-      if config.get("vocab_path"):
-        model = tokenizer_lib.load_tokenizer(config.vocab_path).serialized_model()
+      if vocabulary_file(config):
+        model = tokenizer_lib.load_tokenizer(vocabulary_file(config)).serialized_model()
       elif epath.Path(path).exists():
         model = tokenizer_lib.load_tokenizer(path).serialized_model()
       else:
@@ -82,7 +92,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
       if stored is not None:
         logger.warning("%s differs from process 0's vocabulary: replaced by it.", path)
       multihost.write_file(path, model)
-  return tokenizer_lib.Tokenizer(model, model_path=config.get("vocab_path") or path)
+  return tokenizer_lib.Tokenizer(model, model_path=vocabulary_file(config) or path)
 
 
 def check_train_config(config) -> None:
@@ -112,3 +122,40 @@ def check_train_config(config) -> None:
         f"config.batch_size={config.batch_size} gives {local_rows} rows per process, not "
         f"divisible by the {jax.local_device_count()} local devices; use a multiple of "
         f"{jax.device_count()}.")
+
+
+def load_init_from_config(config) -> TransformerConfig:
+  """The model config of the workdir config.init_from names, once it is known
+  to hold a model config, a vocabulary and a checkpoint; ValueError naming the
+  option otherwise (before this run reads or trains anything)."""
+  source = config.init_from
+  try:
+    workdir_lib.check_files(source)
+    workdir_lib.resolve_checkpoint(source, "auto")
+    return workdir_lib.load_model_config(source)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"config.init_from={source}: {e}") from None
+
+
+def check_init_from(config, model_config: TransformerConfig) -> str:
+  """The workdir config.init_from names, checked before anything is trained:
+  it must hold what decoding needs and a model whose parameters have this
+  run's names and shapes (dropout and the like may differ). ValueError
+  naming the option, the parameter and both shapes otherwise."""
+  import functools
+  import jax as jax_lib
+  from transformer.model.transformer import init_params
+  source = config.init_from
+  source_config = load_init_from_config(config)
+  shapes = [jax_lib.tree_util.tree_flatten_with_path(jax_lib.eval_shape(
+      functools.partial(init_params, c), jax_lib.random.key(0)))[0]
+      for c in (source_config, model_config)]
+  theirs = {jax_lib.tree_util.keystr(path): x.shape for path, x in shapes[0]}
+  ours = {jax_lib.tree_util.keystr(path): x.shape for path, x in shapes[1]}
+  for name in sorted(set(theirs) | set(ours)):
+    if theirs.get(name) != ours.get(name):
+      raise ValueError(
+          f"config.init_from={source}: its model does not fit this config's: parameter "
+          f"{name} is {theirs.get(name, 'absent')} there, {ours.get(name, 'absent')} here. "
+          f"Use the same --config.model.* as that run (its {workdir_lib.MODEL_CONFIG_FILE}).")
+  return source
