@@ -47,7 +47,7 @@ from absl import logging as absl_logging
 
 from transformer.data import text_io
 from transformer.decoding import loader, output, streaming
-from transformer.decoding import translator as translation
+from transformer.decoding import options as decoding_options
 from transformer.runtime import errors
 from transformer.runtime import workdir as workdir_lib
 
@@ -61,7 +61,7 @@ _OUTPUT = flags.DEFINE_string(
     "output", None, "Where to write the translations, one line per input line. Default "
     "(or '-'): standard output. A file is written atomically (temp file + rename).")
 _METHOD = flags.DEFINE_string(
-    "method", "beam", f"Decoding strategy: {' | '.join(translation.METHODS)}.")
+    "method", "beam", f"Decoding strategy: {' | '.join(decoding_options.METHODS)}.")
 _BEAM_SIZE = flags.DEFINE_integer(
     "beam_size", 4, "Beam search: hypotheses kept per sentence (the paper: 4).")
 _LENGTH_PENALTY = flags.DEFINE_float(
@@ -161,7 +161,7 @@ def check_flags() -> None:
   if _WINDOW_LINES.value < 1:
     raise UsageError(f"--window_lines={_WINDOW_LINES.value}: must be >= 1")
   try:
-    translation.check_options(**{k: v for k, v in translate_options().items() if k != "seed"})
+    decoding_options.check_options(**{k: v for k, v in translate_options().items() if k != "seed"})
     workdir_lib.checkpoint_choice(_CHECKPOINT.value)
   except errors.OptionError as e:
     raise UsageError(flag_error(e)) from None
@@ -253,11 +253,6 @@ def run() -> None:
   except text_io.TextFileError as e:
     raise WorkdirError(f"--output={e.path}: {e.problem}") from None
   if not quiet and jax.process_index() == 0:
-    stats["devices"] = translator.last_stats.get("devices", 1)
-    stats["tokens_per_second"] = stats.get("generated_tokens", 0) / max(
-        stats.get("seconds", 0) - stats.get("compile_seconds", 0), 1e-9)
-    for key in ("sentences", "decoded", "generated_tokens", "seconds", "compile_seconds"):
-      stats.setdefault(key, 0)
     line = output.summary_line(stats, method=method, checkpoint=described, plots=plots)
     if stats["resumed_at"]:
       line += f"; resumed after line {stats['resumed_at']}"
@@ -273,14 +268,10 @@ def main(argv) -> int:
     return 2
   # orbax logs at INFO; keep stderr for the progress bar and the summary.
   absl_logging.set_verbosity(absl_logging.WARNING)
-  from transformer.runtime import multihost, parallel
-  # Several processes (hosts) start as train.py's do: flags, environment, or
-  # a Slurm / Open MPI / Cloud TPU job detected (before JAX starts its backend).
-  cluster = multihost.cluster_detected() if _NUM_PROCESSES.value != 1 else None
-  try:
-    parallel.maybe_initialize_distributed(
-        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-        num_cpu_devices=_CPU_DEVICES.value or None, auto_detect=cluster is not None)
+  from transformer.runtime import multihost
+  try:  # several processes (hosts) start as train.py's do
+    multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                              num_cpu_devices=_CPU_DEVICES.value or None)
   except ValueError as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2

@@ -111,18 +111,10 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   from transformer.runtime import multihost
-  from transformer.runtime import parallel
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("transformer").setLevel(logging.INFO)
-  # A cluster JAX configures by itself (before JAX starts its backend):
-  cluster = multihost.cluster_detected() if _NUM_PROCESSES.value != 1 else None
-  if cluster:
-    logging.getLogger("transformer").info(
-        "A %s job of %d processes: starting JAX's distributed runtime with what it detects "
-        "(--num_processes=1 runs this process alone).", *cluster)
-  parallel.maybe_initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value,
-                                        _PROCESS_ID.value, auto_detect=cluster is not None)
+  multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from transformer.runtime import compile_cache
   from transformer.training import loop as training
 

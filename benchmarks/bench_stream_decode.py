@@ -79,7 +79,6 @@ def idle_shares(workdir: str, lines: int, method: str) -> dict:
   """In one process: decoding seconds with and without the overlap, and the
   device's own seconds for the same batches (replayed back to back)."""
   import jax
-  import numpy as np
   import transformer
   from transformer.data import demo_task
   phrases = [s for s, _ in demo_task.demo_splits(0, num_train=5000, num_eval=1,
@@ -116,7 +115,6 @@ def idle_shares(workdir: str, lines: int, method: str) -> dict:
         0.0, 1 - device / out[f"decode_s_overlap_{overlap}"])
   out["sentences_per_s_overlap_True"] = lines / out["decode_s_overlap_True"]
   out["sentences_per_s_overlap_False"] = lines / out["decode_s_overlap_False"]
-  del np
   return out
 
 

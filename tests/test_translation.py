@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from transformer.decoding import options as decoding_options
 from transformer.decoding import output, translator as translation
 from transformer.runtime import errors
 
@@ -31,7 +32,7 @@ from transformer.runtime import errors
 ])
 def test_check_options_names_the_option_and_its_value(options, option):
   with pytest.raises(errors.OptionError) as info:
-    translation.check_options(**options)
+    decoding_options.check_options(**options)
   error = info.value
   assert isinstance(error, ValueError)
   assert (error.option, error.value) == (option, options[option])
@@ -39,12 +40,12 @@ def test_check_options_names_the_option_and_its_value(options, option):
 
 
 def test_check_options_accepts_every_usable_value():
-  translation.check_options()                       # translate()'s defaults
-  translation.check_options(method="beam", beam_size=4, n_best=4)
-  translation.check_options(method="sample", n_best=3, top_p=1.0, top_k=0,
+  decoding_options.check_options()                       # translate()'s defaults
+  decoding_options.check_options(method="beam", beam_size=4, n_best=4)
+  decoding_options.check_options(method="sample", n_best=3, top_p=1.0, top_k=0,
                             temperature=0.0, length_penalty=0.0, min_len=4, max_len=5)
-  for method in translation.METHODS:
-    translation.check_options(method=method)
+  for method in decoding_options.METHODS:
+    decoding_options.check_options(method=method)
 
 
 def test_length_buckets_group_shortest_first_and_skip_empty_inputs():

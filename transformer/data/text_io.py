@@ -86,16 +86,24 @@ def read_lines(path: str | None) -> list[str]:
   """
   if path is None:
     return split_lines(sys.stdin.buffer.read(), STDIN)
-  try:
-    with open(path, "rb") as f:
+  with _open_input(path) as f:
+    try:
       data = f.read()
+    except OSError as e:
+      raise TextFileError(path, f"cannot read it ({e.strerror or e})") from None
+  return split_lines(data, path)
+
+
+def _open_input(path: str):
+  """`path` opened for reading bytes; TextFileError saying why it cannot be."""
+  try:
+    return open(path, "rb")
   except FileNotFoundError:
     raise TextFileError(path, "file not found; check the path") from None
   except IsADirectoryError:
     raise TextFileError(path, "is a directory, not a UTF-8 text file") from None
   except OSError as e:
     raise TextFileError(path, f"cannot read it ({e.strerror or e})") from None
-  return split_lines(data, path)
 
 
 def iter_lines(path: str | None) -> Iterator[tuple[bytes, str]]:
@@ -105,17 +113,7 @@ def iter_lines(path: str | None) -> Iterator[tuple[bytes, str]]:
   NotUtf8Error naming the line when one is reached that is not UTF-8 (the
   lines before it have been given)."""
   name = STDIN if path is None else path
-  if path is None:
-    stream = sys.stdin.buffer
-  else:
-    try:
-      stream = open(path, "rb")
-    except FileNotFoundError:
-      raise TextFileError(path, "file not found; check the path") from None
-    except IsADirectoryError:
-      raise TextFileError(path, "is a directory, not a UTF-8 text file") from None
-    except OSError as e:
-      raise TextFileError(path, f"cannot read it ({e.strerror or e})") from None
+  stream = sys.stdin.buffer if path is None else _open_input(path)
   try:
     for number, raw in enumerate(stream, start=1):
       data = raw[len(_BOM):] if number == 1 and raw.startswith(_BOM) else raw

@@ -50,6 +50,9 @@ from transformer.runtime import multihost
 
 WINDOW_LINES = 20_000  # lines read, sorted and decoded together
 OUTPUT_FORMATS = ("text", "jsonl")
+# The Translator's counts and times, summed over the windows this process decodes.
+_COUNTS = ("sentences", "decoded", "truncated", "generated_tokens", "seconds",
+           "compile_seconds", "host_seconds")
 
 
 class ResumeMismatch(ValueError):
@@ -116,7 +119,8 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
   Returns:
     {"lines": input lines, "resumed_at": lines found done, "sentences",
      "decoded", "truncated", "generated_tokens", "seconds", "compile_seconds",
-     "host_seconds"} (the counts of this run).
+     "host_seconds", "devices", "tokens_per_second"}: this process's work in
+    this run (`output.summary_line` prints it).
   Raises:
     text_io.NotUtf8Error at a line that is not UTF-8, the lines before it
     written; ResumeMismatch; text_io.TextFileError.
@@ -142,43 +146,32 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
                          "afresh")
   out = _open_output(output_path, record) if is_main else None
   output_bytes = record.output_bytes if record else 0
-  stats = {"lines": line_no, "resumed_at": line_no}
+  stats = dict.fromkeys(_COUNTS, 0) | {"lines": line_no, "resumed_at": line_no}
+
+  def translate_share(share: list[tuple[int, str]]) -> list[str]:
+    """This process's share of a window, (line number, text) pairs -> output lines."""
+    first, texts = share[0][0], [text for _, text in share]
+    results = translator.translate_hypotheses(texts, first_line=first, progress=progress,
+                                              **options)
+    for key in _COUNTS:
+      stats[key] += translator.last_stats.get(key, 0)
+    if on_results is not None:
+      on_results(first, texts, results)
+    return format_lines(first, texts, results, n_best, output_format)
+
   try:
     while True:
-      window, raws, error = [], [], None
-      try:
-        for raw, text in lines:
-          raws.append(raw)
-          window.append(text)
-          if len(window) == window_lines:
-            break
-      except text_io.NotUtf8Error as e:
-        error = e  # (the lines before it are decoded and kept)
+      raws, window, error = _read_window(lines, window_lines)
       if window:
-        first = line_no
-
-        def translate_share(share: list[tuple[int, str]]) -> list[str]:
-          if not share:
-            return []
-          results = translator.translate_hypotheses(
-              [text for _, text in share], first_line=share[0][0], progress=progress,
-              **options)
-          _add(stats, translator.last_stats)
-          if on_results is not None:
-            on_results(share[0][0], [text for _, text in share], results)
-          return format_lines(share[0][0], [text for _, text in share], results, n_best,
-                              output_format)
-
         formatted = multihost.split_across_processes(
-            translate_share, list(enumerate(window, start=first)), what="lines")
+            translate_share, list(enumerate(window, start=line_no)), what="lines")
         if is_main:
           data = "".join(line + "\n" for line in formatted).encode("utf-8")
           _write(out, data, output_path)
           output_bytes += len(data)
         for raw in raws:
           hasher.update(raw)
-        line_no += len(window)
-        stats["lines"] = line_no
+        line_no = stats["lines"] = line_no + len(window)
         if is_main and record_path:
           Progress(line_no, output_bytes, hasher.hexdigest(), run).save(record_path)
       if error is not None:
@@ -190,7 +183,26 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
       out.close()
   if is_main and record_path and os.path.exists(record_path):
     os.remove(record_path)
+  stats["devices"] = translator.last_stats.get("devices", 1)
+  stats["tokens_per_second"] = stats["generated_tokens"] / max(
+      stats["seconds"] - stats["compile_seconds"], 1e-9)
   return stats
+
+
+def _read_window(lines, size: int) -> tuple[list[bytes], list[str], Exception | None]:
+  """Up to `size` lines from `text_io.iter_lines`: (their bytes, their texts,
+  the NotUtf8Error that stopped the window early, if one did; the lines
+  before it are kept, to be decoded)."""
+  raws, texts = [], []
+  try:
+    for raw, text in lines:
+      raws.append(raw)
+      texts.append(text)
+      if len(texts) == size:
+        break
+  except text_io.NotUtf8Error as e:
+    return raws, texts, e
+  return raws, texts, None
 
 
 def _plan(record_path: str, run: dict) -> Progress | None:
@@ -211,8 +223,7 @@ def _plan(record_path: str, run: dict) -> Progress | None:
         problem = str(e)
     message = json.dumps({"problem": problem,
                           "record": dataclasses.asdict(record) if record else None}).encode()
-  plan = json.loads(multihost.broadcast_bytes(message)) if jax.process_count() > 1 else (
-      json.loads(message))
+  plan = json.loads(multihost.broadcast_bytes(message))
   if plan["problem"]:
     raise ResumeMismatch(plan["problem"])
   return Progress(**plan["record"]) if plan["record"] else None
@@ -253,9 +264,3 @@ def _write(out, data: bytes, output_path: str | None) -> None:
   except OSError as e:
     raise text_io.TextFileError(output_path or "<stdout>",
                                 f"cannot write it ({e.strerror or e})") from None
-
-
-def _add(stats: dict, last: dict) -> None:
-  for key in ("sentences", "decoded", "truncated", "generated_tokens", "seconds",
-              "compile_seconds", "host_seconds"):
-    stats[key] = stats.get(key, 0) + last.get(key, 0)

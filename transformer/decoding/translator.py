@@ -44,9 +44,9 @@ from transformer.model.config import TransformerConfig
 from transformer.model.kv_cache import init_cache, reorder_cache
 from transformer.model.transformer import Transformer
 from transformer.runtime import parallel
+from transformer.decoding.options import check_options
 from transformer.runtime.errors import OptionError
 
-METHODS = ("greedy", "beam", "sample")
 MIN_BUCKET = 8
 
 
@@ -58,46 +58,6 @@ class Hypothesis(NamedTuple):
   score: float
   log_prob: float
   length: int
-
-
-def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
-                  max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
-                  top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
-                  batch_size: int = 32, batch_tokens: int = 0) -> None:
-  """Raises OptionError naming the first of `Translator.translate`'s options
-  (same names and defaults) whose value cannot be used, and what to do."""
-  if method not in METHODS:
-    raise OptionError("method", method,
-                      f"unknown decoding method; choose one of {', '.join(METHODS)}")
-  if beam_size < 1:
-    raise OptionError("beam_size", beam_size, "must be >= 1")
-  if n_best < 1:
-    raise OptionError("n_best", n_best, "must be >= 1")
-  if method == "beam" and n_best > beam_size:
-    raise OptionError("n_best", n_best, f"must be <= beam_size={beam_size} (beam search "
-                      "keeps beam_size hypotheses); raise beam_size or lower n_best")
-  if method == "greedy" and n_best > 1:
-    raise OptionError("n_best", n_best, "greedy search has one hypothesis; use "
-                      "method=beam or method=sample for several")
-  if not 0.0 < top_p <= 1.0:
-    raise OptionError("top_p", top_p, "must be in (0, 1] (1 = no nucleus filtering)")
-  if top_k < 0:
-    raise OptionError("top_k", top_k, "must be >= 0 (0 = no top-k filtering)")
-  if temperature < 0:
-    raise OptionError("temperature", temperature, "must be >= 0 (0 = greedy)")
-  if length_penalty < 0:
-    raise OptionError("length_penalty", length_penalty,
-                      "must be >= 0 (0 = no length penalty)")
-  if max_len is not None and max_len < 1:
-    raise OptionError("max_len", max_len, "must be >= 1")
-  if min_len < 0:
-    raise OptionError("min_len", min_len, "must be >= 0")
-  if max_len is not None and min_len >= max_len:
-    raise OptionError("min_len", min_len, f"must be < max_len={max_len}")
-  if batch_size < 1:
-    raise OptionError("batch_size", batch_size, "must be >= 1")
-  if batch_tokens < 0:
-    raise OptionError("batch_tokens", batch_tokens, "must be >= 0 (0: batches of batch_size)")
 
 
 def bucket_length(length: int, max_length: int) -> int:
@@ -322,13 +282,20 @@ class Translator:
       device only if it is not done) and detokenized."""
       (shape, members), seqs, scores = pending
       seqs, scores = np.asarray(seqs), np.asarray(scores)
-      alpha = length_penalty if method == "beam" else 0.0
+      rows = unpack_hypotheses(seqs, scores, len(members), copies, n_best)
+      ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
+      lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
+      # Beam scores are log p / lp(length): log p is the score times lp (one
+      # call for the batch, not one per hypothesis).
+      lps = (np.asarray(decoding.gnmt_length_penalty(lengths, length_penalty))
+             if method == "beam" else np.ones(lengths.shape))
       tokens = 0
-      for i, hyps in zip(members, unpack_hypotheses(seqs, scores, len(members), copies,
-                                                    n_best)):
-        results[i] = sorted((self._hypothesis(ids, score, alpha) for ids, score in hyps),
-                            key=lambda h: -h.score)
-        tokens += sum(h.length for h in results[i])
+      for k, (i, hyps) in enumerate(zip(members, rows)):
+        results[i] = sorted(
+            (Hypothesis(self.tokenizer.decode(ids[k][n]), float(score),
+                        float(score) * float(lps[k, n]), int(lengths[k, n]))
+             for n, (_, score) in enumerate(hyps)), key=lambda h: -h.score)
+        tokens += int(lengths[k].sum())
       bar.update(len(members))
       return tokens
 
@@ -373,14 +340,9 @@ class Translator:
       encoded.append(ids + [cfg.eos_id] if ids else [])
     return encoded, truncated
 
-  def _hypothesis(self, ids: np.ndarray, score: float, alpha: float) -> Hypothesis:
-    """One decoded row: its text, score, log-probability (the beam score times
-    the length penalty it was divided by) and length (to the EOS, included)."""
-    ids = ids.tolist()
-    length = ids.index(self.config.eos_id) + 1 if self.config.eos_id in ids else len(ids)
-    score = float(score)
-    log_prob = score * decoding.gnmt_length_penalty(length, alpha).item() if alpha else score
-    return Hypothesis(self.tokenizer.decode(ids), score, log_prob, length)
+  def _length(self, ids: list[int]) -> int:
+    """Generated tokens of a decoded row, to its EOS included (all if none)."""
+    return ids.index(self.config.eos_id) + 1 if self.config.eos_id in ids else len(ids)
 
   def _batch_rows(self, batch_size: int, copies: int, batch_tokens: int = 0,
                   src_len: int = 0) -> int:

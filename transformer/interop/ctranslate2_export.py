@@ -41,6 +41,7 @@ import argparse
 import os
 import sys
 
+import jax
 import numpy as np
 
 from transformer.data.tokenizer import UNK_ID, Tokenizer
@@ -96,7 +97,6 @@ def _layers(params: dict, count: int, scanned: bool) -> list[dict]:
   """Each layer's parameters, unstacking `scan_layers`' leading layer axis."""
   if not scanned:
     return [params[f"layers_{i}"] for i in range(count)]
-  import jax
   return [jax.tree.map(lambda x, i=i: np.asarray(x)[i], params["layers"]) for i in range(count)]
 
 
@@ -110,9 +110,8 @@ def _positions(config: TransformerConfig, params: dict, side: str) -> np.ndarray
 
 def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
   """The `ctranslate2.specs.TransformerSpec` of this model, filled (float32)."""
-  import ctranslate2
   from ctranslate2.specs import common_spec, transformer_spec
-  params = jax_tree_to_numpy(params)
+  params = jax.tree.map(np.array, jax.device_get(params))  # (writable: quantizing is in place)
   activation = {"relu": common_spec.Activation.RELU,
                 "gelu": common_spec.Activation.GELUTanh,  # flax's nn.gelu
                 "swish": common_spec.Activation.SWISH}[config.activation]
@@ -162,14 +161,7 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
   spec.config.decoder_start_token = pieces[config.bos_id]
   spec.config.add_source_eos = True
   spec.config.layer_norm_epsilon = config.layer_norm_epsilon
-  del ctranslate2
   return spec
-
-
-def jax_tree_to_numpy(params) -> dict:
-  """Writable numpy copies (quantizing works on the arrays in place)."""
-  import jax
-  return jax.tree.map(np.array, jax.device_get(params))
 
 
 def export(config: TransformerConfig, params, tokenizer: Tokenizer, output_dir: str, *,

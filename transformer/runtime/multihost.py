@@ -46,6 +46,7 @@ import numpy as np
 from etils import epath
 
 from transformer.data.text_io import write_atomically
+from transformer.runtime import parallel
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,23 @@ def cluster_detected() -> tuple[str, int] | None:
 
 class MixedWorkdirs(ValueError):
   """Some processes see process 0's workdir and others do not."""
+
+
+def start_processes(coordinator_address: str | None, num_processes: int | None,
+                    process_id: int | None, *, num_cpu_devices: int | None = None) -> None:
+  """Starts JAX's distributed runtime as train.py and decode.py do, before JAX
+  starts its backend: from the flags or the environment
+  (`parallel.maybe_initialize_distributed`), or, in a Slurm / Open MPI / Cloud
+  TPU job of several processes, from what JAX detects (`cluster_detected`;
+  num_processes=1 runs this process alone there). ValueError names a setting
+  that is missing."""
+  cluster = cluster_detected() if num_processes != 1 else None
+  if cluster:
+    logger.info("A %s job of %d processes: starting JAX's distributed runtime with what it "
+                "detects (--num_processes=1 runs this process alone).", *cluster)
+  parallel.maybe_initialize_distributed(coordinator_address, num_processes, process_id,
+                                        num_cpu_devices=num_cpu_devices,
+                                        auto_detect=cluster is not None)
 
 
 def workdirs_shared(workdir: str | os.PathLike) -> bool:

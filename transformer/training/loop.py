@@ -124,11 +124,13 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
     train_pairs = data_sources.load_split(config.data, "train")
   if eval_pairs is None:
     eval_pairs = data_sources.load_split(config.data, "eval")
-  if config.get("init_from"):
-    run_setup.load_init_from_config(config)  # (named before its vocabulary is read)
+  init_from = config.get("init_from", "")
+  if init_from:  # (checked before its vocabulary is read)
+    source_config = run_setup.load_init_from_config(config)
   tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs, shared=shared)
   model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
-  init_from = run_setup.check_init_from(config, model_config) if config.get("init_from") else ""
+  if init_from:
+    run_setup.check_init_from(config, source_config, model_config)
   logger.info("%s", attention_choice.attention_implementation_name(model_config))
   if is_main or not shared:
     workdir_lib.save_configs(workdir, config.to_dict(), model_config)

@@ -6,6 +6,7 @@ process 0 to the others, kept in the workdir so that it alone can decode)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -16,6 +17,7 @@ from etils import epath
 from transformer.data import sources as data_sources
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
+from transformer.model.transformer import init_params
 from transformer.runtime import multihost, parallel
 from transformer.runtime import workdir as workdir_lib
 
@@ -137,25 +139,19 @@ def load_init_from_config(config) -> TransformerConfig:
     raise ValueError(f"config.init_from={source}: {e}") from None
 
 
-def check_init_from(config, model_config: TransformerConfig) -> str:
-  """The workdir config.init_from names, checked before anything is trained:
-  it must hold what decoding needs and a model whose parameters have this
-  run's names and shapes (dropout and the like may differ). ValueError
-  naming the option, the parameter and both shapes otherwise."""
-  import functools
-  import jax as jax_lib
-  from transformer.model.transformer import init_params
-  source = config.init_from
-  source_config = load_init_from_config(config)
-  shapes = [jax_lib.tree_util.tree_flatten_with_path(jax_lib.eval_shape(
-      functools.partial(init_params, c), jax_lib.random.key(0)))[0]
-      for c in (source_config, model_config)]
-  theirs = {jax_lib.tree_util.keystr(path): x.shape for path, x in shapes[0]}
-  ours = {jax_lib.tree_util.keystr(path): x.shape for path, x in shapes[1]}
+def check_init_from(config, source_config: TransformerConfig,
+                    model_config: TransformerConfig) -> None:
+  """ValueError naming config.init_from, the parameter and both shapes unless
+  the model it starts from (`source_config`, `load_init_from_config`) has this
+  run's parameter names and shapes (dropout and the like may differ)."""
+  theirs, ours = ({jax.tree_util.keystr(path): x.shape for path, x in
+                   jax.tree_util.tree_flatten_with_path(jax.eval_shape(
+                       functools.partial(init_params, c), jax.random.key(0)))[0]}
+                  for c in (source_config, model_config))
   for name in sorted(set(theirs) | set(ours)):
     if theirs.get(name) != ours.get(name):
       raise ValueError(
-          f"config.init_from={source}: its model does not fit this config's: parameter "
-          f"{name} is {theirs.get(name, 'absent')} there, {ours.get(name, 'absent')} here. "
-          f"Use the same --config.model.* as that run (its {workdir_lib.MODEL_CONFIG_FILE}).")
-  return source
+          f"config.init_from={config.init_from}: its model does not fit this config's: "
+          f"parameter {name} is {theirs.get(name, 'absent')} there, "
+          f"{ours.get(name, 'absent')} here. Use the same --config.model.* as that run "
+          f"(its {workdir_lib.MODEL_CONFIG_FILE}).")

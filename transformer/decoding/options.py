@@ -1,0 +1,48 @@
+"""The decoding options (`Translator.translate_hypotheses`' and decode.py's) and
+their check: an OptionError naming the first option that cannot be used."""
+
+from __future__ import annotations
+
+from transformer.runtime.errors import OptionError
+
+METHODS = ("greedy", "beam", "sample")
+
+
+def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
+                  max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
+                  batch_size: int = 32, batch_tokens: int = 0) -> None:
+  """Raises OptionError naming the first of `Translator.translate`'s options
+  (same names and defaults) whose value cannot be used, and what to do."""
+  if method not in METHODS:
+    raise OptionError("method", method,
+                      f"unknown decoding method; choose one of {', '.join(METHODS)}")
+  if beam_size < 1:
+    raise OptionError("beam_size", beam_size, "must be >= 1")
+  if n_best < 1:
+    raise OptionError("n_best", n_best, "must be >= 1")
+  if method == "beam" and n_best > beam_size:
+    raise OptionError("n_best", n_best, f"must be <= beam_size={beam_size} (beam search "
+                      "keeps beam_size hypotheses); raise beam_size or lower n_best")
+  if method == "greedy" and n_best > 1:
+    raise OptionError("n_best", n_best, "greedy search has one hypothesis; use "
+                      "method=beam or method=sample for several")
+  if not 0.0 < top_p <= 1.0:
+    raise OptionError("top_p", top_p, "must be in (0, 1] (1 = no nucleus filtering)")
+  if top_k < 0:
+    raise OptionError("top_k", top_k, "must be >= 0 (0 = no top-k filtering)")
+  if temperature < 0:
+    raise OptionError("temperature", temperature, "must be >= 0 (0 = greedy)")
+  if length_penalty < 0:
+    raise OptionError("length_penalty", length_penalty,
+                      "must be >= 0 (0 = no length penalty)")
+  if max_len is not None and max_len < 1:
+    raise OptionError("max_len", max_len, "must be >= 1")
+  if min_len < 0:
+    raise OptionError("min_len", min_len, "must be >= 0")
+  if max_len is not None and min_len >= max_len:
+    raise OptionError("min_len", min_len, f"must be < max_len={max_len}")
+  if batch_size < 1:
+    raise OptionError("batch_size", batch_size, "must be >= 1")
+  if batch_tokens < 0:
+    raise OptionError("batch_tokens", batch_tokens, "must be >= 0 (0: batches of batch_size)")
