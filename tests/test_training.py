@@ -403,10 +403,12 @@ def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
 
 
 def test_init_from_starts_from_another_workdirs_parameters_and_vocabulary(tmp_path,
-                                                                          reference_run):
+                                                                          reference_run,
+                                                                          caplog):
   """Fine-tuning: with a learning rate of 0 the new run's checkpoint holds
   exactly the parameters it started from (the reference's averaged ones), and
-  its vocabulary is the reference's; a model of other shapes is refused."""
+  its vocabulary is the reference's; the model is the reference's whatever
+  config.model says of its architecture (dropout and the like are this run's)."""
   ref_dir, _ = reference_run
   tuned = tmp_path / "tuned"
   train(tuned, dict(REF, init_from=str(ref_dir), num_train_steps=2, checkpoint_every=2,
@@ -417,9 +419,16 @@ def test_init_from_starts_from_another_workdirs_parameters_and_vocabulary(tmp_pa
     np.testing.assert_array_equal(a, b)
   assert (tuned / workdir_lib.VOCAB_FILE).read_bytes() == (
       ref_dir / workdir_lib.VOCAB_FILE).read_bytes()
-  with pytest.raises(ValueError, match=r"config.init_from=.*parameter .* is \(.*\) there, "
-                     r"\(.*\) here"):
-    train(tmp_path / "other", dict(REF, init_from=str(ref_dir), **{"model.d_model": 48}))
+  other = tmp_path / "other"
+  with caplog.at_level(logging.WARNING):
+    train(other, dict(REF, init_from=str(ref_dir), num_train_steps=1, checkpoint_every=1,
+                      average_last=1, test_report=False,
+                      **{"model.d_model": 48, "model.dropout_rate": 0.25}))
+  assert "not used from config.model: d_model=48 (its 32)" in caplog.text
+  adopted = workdir_lib.load_model_config(str(other))
+  assert (adopted.d_model, adopted.dropout_rate) == (32, 0.25)
+  assert adopted.replace(dropout_rate=0.0) == workdir_lib.load_model_config(
+      str(ref_dir)).replace(dropout_rate=0.0)
   with pytest.raises(ValueError, match=r"config.init_from=.*nowhere"):
     train(tmp_path / "missing", dict(REF, init_from=str(tmp_path / "nowhere")))
 

@@ -65,9 +65,11 @@ BATCH_KEYS = (
 # ---------------------------------------------------------------------------
 
 
-def _encode(tokenizer: Tokenizer, text: str, max_length: int) -> tuple[np.ndarray, bool]:
-  """Text -> ids + EOS, truncated to max_length (EOS kept last); (ids, too_long)."""
-  ids = tokenizer.encode(text)
+def _encode(tokenizer: Tokenizer, text: str, max_length: int,
+            target: bool = False) -> tuple[np.ndarray, bool]:
+  """Text -> ids + EOS, truncated to max_length (EOS kept last); (ids, too_long).
+  `target`: the target side's model (differs for an imported Marian vocabulary)."""
+  ids = tokenizer.encode_target(text) if target else tokenizer.encode(text)
   ids.append(EOS_ID)
   too_long = len(ids) > max_length
   if too_long:
@@ -84,7 +86,7 @@ class _Tokenize:
   def __call__(self, pair: Pair):
     src, tgt = pair
     inputs, long_src = _encode(self.tokenizer, src, self.max_length)
-    targets, long_tgt = _encode(self.tokenizer, tgt, self.max_length)
+    targets, long_tgt = _encode(self.tokenizer, tgt, self.max_length, target=True)
     if self.drop_long and (long_src or long_tgt):
       return None
     return {"inputs": inputs, "targets": targets}
@@ -317,7 +319,7 @@ def summarize(
   for i in indices:
     src, tgt = pairs[i]
     src_lens.append(len(tokenizer.encode(src)) + 1)
-    tgt_lens.append(len(tokenizer.encode(tgt)) + 1)
+    tgt_lens.append(len(tokenizer.encode_target(tgt)) + 1)
   s, t = np.asarray(src_lens, np.int64), np.asarray(tgt_lens, np.int64)
   return DataSummary(
       num_examples=n,

@@ -82,6 +82,11 @@ class Tokenizer:
     """Encodes many texts at once (no BOS / EOS added)."""
     return self._sp.encode(list(texts), out_type=int)
 
+  # The target side: the same model here (one shared vocabulary); an imported
+  # Marian vocabulary (marian_tokenizer.py) has one model for each side.
+  encode_target = encode
+  encode_target_batch = encode_batch
+
   def _clean(self, ids) -> list[int]:
     out = []
     for i in np.asarray(ids, dtype=np.int64).reshape(-1).tolist():
@@ -207,7 +212,8 @@ def train_tokenizer(
 
 
 def load_tokenizer(model_path: str) -> Tokenizer:
-  """Loads a model written by `train_tokenizer`, from a local path or an
+  """Loads a vocabulary written by `train_tokenizer` (or an imported Marian
+  one: `tokenizer_from_bytes`), from a local path or an
   address such as gs://bucket/run/vocab.model (read through etils.epath).
 
   Raises:
@@ -221,9 +227,18 @@ def load_tokenizer(model_path: str) -> Tokenizer:
         "`python train.py --workdir=<dir>` writes <dir>/vocab.model, or call "
         "transformer.data.tokenizer.train_tokenizer(...)."
     )
-  proto = path.read_bytes()
+  return tokenizer_from_bytes(path.read_bytes(), model_path)
+
+
+def tokenizer_from_bytes(model: bytes, model_path: str | None = None):
+  """The vocabulary whose file holds `model` (`serialized_model()`): a
+  SentencePiece model (`Tokenizer`) or an imported Marian vocabulary
+  (`marian_tokenizer.MarianTokenizer`, one JSON document)."""
+  from transformer.data import marian_tokenizer
+  if marian_tokenizer.is_serialized_marian(model):
+    return marian_tokenizer.MarianTokenizer.from_serialized(model, model_path)
   try:
-    return Tokenizer(proto, model_path=model_path)
+    return Tokenizer(model, model_path=model_path)
   except RuntimeError as e:
     raise ValueError(
         f"{model_path} is not a valid SentencePiece model ({e}). Delete it and "

@@ -401,7 +401,7 @@ class Translator:
       target = self.translate([source], method="greedy")[0]
     tok, cfg = self.tokenizer, self.config
     src_ids = tok.encode(source)[:cfg.max_len - 1] + [cfg.eos_id]
-    tgt_ids = (tok.encode(target) + [cfg.eos_id])[:cfg.max_len]
+    tgt_ids = (tok.encode_target(target) + [cfg.eos_id])[:cfg.max_len]
     # Padded to bucket lengths, so that few shapes are compiled; padded source
     # keys get zero weight and padded target queries come after the real ones
     # (causal), so the sliced weights are those of the unpadded pair.

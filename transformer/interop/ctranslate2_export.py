@@ -44,6 +44,7 @@ import sys
 import jax
 import numpy as np
 
+from transformer.data.marian_tokenizer import MarianTokenizer
 from transformer.data.tokenizer import UNK_ID, Tokenizer
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import sinusoidal_positional_encoding
@@ -183,17 +184,25 @@ def export(config: TransformerConfig, params, tokenizer: Tokenizer, output_dir: 
 
 def export_workdir(workdir: str, output_dir: str, *, checkpoint: str | int = "auto",
                    quantization: str = "float32", force: bool = False) -> str:
-  """Exports a workdir written by train.py (the checkpoint `checkpoint` names,
-  as decode.py's --checkpoint), with its vocabulary copied beside the model."""
+  """Exports a workdir written by train.py or imported (the checkpoint
+  `checkpoint` names, as decode.py's --checkpoint), with its SentencePiece
+  model(s) beside the model: vocab.model, or an imported Marian model's
+  source.spm and target.spm (`sentencepiece_files`)."""
   from transformer.decoding import loader
   translator = loader.load_translator(workdir, checkpoint)
   out = export(translator.config, translator.params, translator.tokenizer, output_dir,
                quantization=quantization, force=force)
-  model_path = translator.tokenizer.model_path
-  if model_path and os.path.exists(model_path):
-    with open(model_path, "rb") as src, open(os.path.join(out, "vocab.model"), "wb") as dst:
-      dst.write(src.read())
+  for name, data in sentencepiece_files(translator.tokenizer).items():
+    with open(os.path.join(out, name), "wb") as f:
+      f.write(data)
   return out
+
+
+def sentencepiece_files(tokenizer) -> dict[str, bytes]:
+  """{file name: SentencePiece model} that tokenize for the exported model."""
+  if isinstance(tokenizer, MarianTokenizer):  # one model per side, pieces through one table
+    return {"source.spm": tokenizer.source_model(), "target.spm": tokenizer.target_model()}
+  return {"vocab.model": tokenizer.serialized_model()}
 
 
 def main(argv=None) -> int:
@@ -213,7 +222,8 @@ def main(argv=None) -> int:
   except (OSError, ValueError, RuntimeError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 1
-  print(f"wrote {out} ({args.quantization}); the SentencePiece model is {out}/vocab.model")
+  print(f"wrote {out} ({args.quantization}) with its SentencePiece model(s): "
+        f"{', '.join(sorted(n for n in os.listdir(out) if n.endswith(('.model', '.spm'))))}")
   return 0
 
 

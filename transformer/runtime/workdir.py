@@ -15,6 +15,12 @@ and the notebook read::
     <workdir>/train.log              that run's log and the traceback of a fatal
                                      error, appended run after run (LOG_FILE)
 
+A model imported from Marian / OPUS-MT (`transformer.interop.marian`) is a
+workdir too: model_config.json, vocab.model (then Marian's two SentencePiece
+models and piece table in one JSON document), its parameters as the averaged
+checkpoint, and import.json (IMPORT_FILE), which train.py refuses to train in
+(fine-tune from it into a new workdir: --config.init_from).
+
 The vocabulary rule: <workdir>/vocab.model, which train.py always writes (a copy
 of config.vocab_path when that is set, so that the workdir alone is enough to
 decode); a workdir without it (one whose vocab.model was deleted, or written
@@ -58,6 +64,7 @@ MODEL_CONFIG_FILE = "model_config.json"
 VOCAB_FILE = "vocab.model"
 LOCK_FILE = "train.lock"
 LOG_FILE = "train.log"
+IMPORT_FILE = "import.json"
 CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
 
 # The config fields a run may change when it resumes a workdir. None of them
@@ -205,6 +212,11 @@ def check_config(workdir: str, config: dict) -> list[tuple[str, object, object]]
   stored, requested); [] for a new workdir.
   Raises ConfigMismatch listing every other differing field.
   """
+  imported = os.path.join(workdir, IMPORT_FILE)
+  if epath.Path(imported).exists():
+    raise ValueError(f"{workdir} holds an imported model ({imported}); training in it would "
+                     "replace its parameters. Fine-tune it into a new workdir: python "
+                     f"train.py --workdir=<new> --config.init_from={workdir}")
   path = os.path.join(workdir, CONFIG_FILE)
   if not epath.Path(path).exists():
     return []

@@ -128,9 +128,11 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   if init_from:  # (checked before its vocabulary is read)
     source_config = run_setup.load_init_from_config(config)
   tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs, shared=shared)
-  model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
   if init_from:
-    run_setup.check_init_from(config, source_config, model_config)
+    model_config = run_setup.init_from_model_config(config, source_config,
+                                                    tokenizer.vocab_size)
+  else:
+    model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
   logger.info("%s", attention_choice.attention_implementation_name(model_config))
   if is_main or not shared:
     workdir_lib.save_configs(workdir, config.to_dict(), model_config)

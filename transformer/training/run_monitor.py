@@ -35,7 +35,7 @@ class RunMonitor:
     every = max(1, len(train_pairs) // 20_000)  # 20k targets are plenty for the entropy
     targets = [train_pairs[i][1] for i in range(0, len(train_pairs), every)]
     self.stall = stall.StallCheck(stall.unigram_entropy(
-        tokenizer.encode_batch(targets), EOS_ID), config)
+        tokenizer.encode_target_batch(targets), EOS_ID), config)
     self._warned_warmup = False
 
   def mfu(self, steps_per_second: float) -> float:

@@ -6,7 +6,6 @@ process 0 to the others, kept in the workdir so that it alone can decode)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 
@@ -17,7 +16,6 @@ from etils import epath
 from transformer.data import sources as data_sources
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
-from transformer.model.transformer import init_params
 from transformer.runtime import multihost, parallel
 from transformer.runtime import workdir as workdir_lib
 
@@ -94,7 +92,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
       if stored is not None:
         logger.warning("%s differs from process 0's vocabulary: replaced by it.", path)
       multihost.write_file(path, model)
-  return tokenizer_lib.Tokenizer(model, model_path=vocabulary_file(config) or path)
+  return tokenizer_lib.tokenizer_from_bytes(model, vocabulary_file(config) or path)
 
 
 def check_train_config(config) -> None:
@@ -139,19 +137,33 @@ def load_init_from_config(config) -> TransformerConfig:
     raise ValueError(f"config.init_from={source}: {e}") from None
 
 
-def check_init_from(config, source_config: TransformerConfig,
-                    model_config: TransformerConfig) -> None:
-  """ValueError naming config.init_from, the parameter and both shapes unless
-  the model it starts from (`source_config`, `load_init_from_config`) has this
-  run's parameter names and shapes (dropout and the like may differ)."""
-  theirs, ours = ({jax.tree_util.keystr(path): x.shape for path, x in
-                   jax.tree_util.tree_flatten_with_path(jax.eval_shape(
-                       functools.partial(init_params, c), jax.random.key(0)))[0]}
-                  for c in (source_config, model_config))
-  for name in sorted(set(theirs) | set(ours)):
-    if theirs.get(name) != ours.get(name):
-      raise ValueError(
-          f"config.init_from={config.init_from}: its model does not fit this config's: "
-          f"parameter {name} is {theirs.get(name, 'absent')} there, "
-          f"{ours.get(name, 'absent')} here. Use the same --config.model.* as that run "
-          f"(its {workdir_lib.MODEL_CONFIG_FILE}).")
+# The fields of config.model a run that starts from another workdir's parameters
+# (config.init_from) chooses itself: how it trains and computes, not what the
+# model is. Every other field (sizes, layout, activation, ids) is that workdir's.
+TRAINING_FIELDS = ("dropout_rate", "attention_dropout_rate", "dtype", "param_dtype",
+                   "scan_layers", "remat", "attention_implementation")
+
+
+def init_from_model_config(config, source_config: TransformerConfig,
+                           vocab_size: int) -> TransformerConfig:
+  """The model of a run with config.init_from: the source workdir's
+  (`source_config`, `load_init_from_config`), with this config's
+  TRAINING_FIELDS. The architecture fields of config.model that differ are
+  not used (logged); a vocabulary of another size is refused."""
+  if vocab_size != source_config.vocab_size:
+    raise ValueError(
+        f"config.init_from={config.init_from}: its model has a vocabulary of "
+        f"{source_config.vocab_size} ids, config.vocab_path={config.get('vocab_path')} has "
+        f"{vocab_size}; leave vocab_path empty to use that workdir's vocabulary.")
+  fields = {name: config.model[name] for name in TRAINING_FIELDS if name in config.model}
+  ignored = [f"{name}={value!r} (its {getattr(source_config, name)!r})"
+             for name, value in sorted(config.model.items())
+             if name not in TRAINING_FIELDS and hasattr(source_config, name)
+             and getattr(source_config, name) != value]
+  if ignored:
+    logger.warning("config.init_from=%s: the model is that workdir's; not used from "
+                   "config.model: %s", config.init_from, ", ".join(ignored))
+  try:
+    return source_config.replace(**fields)
+  except ValueError as e:
+    raise ValueError(f"{e} (set it with --config.model.<field>=...)") from e

@@ -1,0 +1,470 @@
+"""Marian / OPUS-MT import (transformer/interop/marian.py, data/marian_tokenizer.py),
+checked against an implementation nobody here wrote: CTranslate2's own Marian
+converter reads the same files, and its teacher-forced log-probabilities
+(`score_batch`) and greedy translations must be the imported model's.
+
+The tests write their own small random-weight models in both formats (no
+download): an OPUS-MT release (`decoder.yml`, a `.npz` with `special:model.yml`,
+`vocab.yml`, `source.spm`, `target.spm`) and the same weights under Hugging
+Face's names (`config.json`, `model.safetensors`, `vocab.json`)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+ctranslate2 = pytest.importorskip("ctranslate2")
+safetensors_numpy = pytest.importorskip("safetensors.numpy")
+
+from transformer.data import demo_task, marian_tokenizer  # noqa: E402
+from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
+from transformer.data.tokenizer import load_tokenizer  # noqa: E402
+from transformer.interop import marian  # noqa: E402
+from transformer.model import Transformer, init_params  # noqa: E402
+from transformer.model.transformer import sinusoidal_positional_encoding  # noqa: E402
+from transformer.runtime import averaging  # noqa: E402
+from transformer.runtime import workdir as workdir_lib  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+D_MODEL, HEADS, D_FF = 16, 2, 32
+
+
+# ----------------------------------------------------------------------------
+# A small Marian model written by hand, in both formats
+# ----------------------------------------------------------------------------
+
+
+def _spm(sentences, path: Path) -> list[str]:
+  """A small SentencePiece model at `path` (Marian's own special ids do not
+  matter: its table maps the pieces); returns its ordinary pieces."""
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(sentences), model_prefix=str(path),
+                                 vocab_size=48, minloglevel=2, hard_vocab_limit=False)
+  Path(f"{path}.model").rename(path)
+  sp = spm.SentencePieceProcessor(model_file=str(path))
+  return [sp.id_to_piece(i) for i in range(sp.get_piece_size())
+          if not (sp.is_control(i) or sp.is_unknown(i))]
+
+
+def _random_weights(rng, pieces, *, pre_norm=False, shared=True, tied=True, layers=(2, 2)):
+  """Marian-NMT's parameter names and shapes, random values (no constant
+  scale, bias or logits bias, which a wrong mapping could leave unnoticed)."""
+  d, f, v = D_MODEL, D_FF, len(pieces)
+  w = {}
+
+  def mat(*shape, scale=0.25):
+    return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+  def norm(prefix):
+    suffix = "_pre" if pre_norm else ""
+    w[f"{prefix}_ln_scale{suffix}"] = (1 + mat(1, d, scale=0.2))
+    w[f"{prefix}_ln_bias{suffix}"] = mat(1, d, scale=0.2)
+
+  def attention(prefix):
+    for x in "qkvo":
+      w[f"{prefix}_W{x}"], w[f"{prefix}_b{x}"] = mat(d, d), mat(1, d, scale=0.2)
+    norm(f"{prefix}_Wo")
+
+  for side, count in zip(("encoder", "decoder"), layers):
+    for i in range(1, count + 1):
+      attention(f"{side}_l{i}_self")
+      if side == "decoder":
+        attention(f"{side}_l{i}_context")
+      w[f"{side}_l{i}_ffn_W1"], w[f"{side}_l{i}_ffn_b1"] = mat(d, f), mat(1, f, scale=0.2)
+      w[f"{side}_l{i}_ffn_W2"], w[f"{side}_l{i}_ffn_b2"] = mat(f, d), mat(1, d, scale=0.2)
+      norm(f"{side}_l{i}_ffn_ffn")
+    if pre_norm:
+      w[f"{side}_top_ln_scale"], w[f"{side}_top_ln_bias"] = 1 + mat(1, d, scale=0.2), mat(1, d)
+  if shared:
+    w["Wemb"] = mat(v, d)
+  else:
+    w["encoder_Wemb"], w["decoder_Wemb"] = mat(v, d), mat(v, d)
+  if not tied:
+    w["decoder_ff_logit_out_Wt"] = mat(v, d)
+  bias = mat(1, v)
+  bias[0, 0] += 4.0  # </s> likely enough that greedy translations end
+  w["decoder_ff_logit_out_b"] = bias
+  return w
+
+
+def _model_yml(pre_norm: bool, activation: str, layers=(2, 2)) -> str:
+  pre, post, top = ("n", "da", "n") if pre_norm else ('""', "dan", '""')
+  return "\n".join([
+      "type: transformer", f"dim-emb: {D_MODEL}", f"enc-depth: {layers[0]}",
+      f"dec-depth: {layers[1]}", f"transformer-heads: {HEADS}",
+      f"transformer-dim-ffn: {D_FF}", "transformer-ffn-depth: 2",
+      f"transformer-ffn-activation: {activation}",
+      f"transformer-preprocess: {pre}", f"transformer-postprocess: {post}",
+      f"transformer-postprocess-top: {top}",
+      "transformer-postprocess-emb: d", "transformer-decoder-autoreg: self-attention",
+      "transformer-no-projection: false", "transformer-guided-alignment-layer: last",
+      "transformer-dropout: 0.1", ""])
+
+
+def write_release(directory: Path, seed=0, *, pre_norm=False, shared=True, tied=True,
+                  activation="swish") -> tuple[Path, dict, list[str]]:
+  """An OPUS-MT Marian-NMT release; returns (directory, weights, pieces)."""
+  directory.mkdir(parents=True)
+  pairs = demo_task.demo_splits(0, num_train=300, num_eval=1, num_test=1)["train"]
+  source_pieces = _spm([s for s, _ in pairs], directory / "source.spm")
+  target_pieces = _spm([t for _, t in pairs], directory / "target.spm")
+  pieces = ["</s>", "<unk>"] + sorted(set(source_pieces) | set(target_pieces))
+  # Quoted as Marian writes pieces YAML would misread.
+  (directory / "vocab.yml").write_text("".join(
+      f"{json.dumps(p, ensure_ascii=False)}: {i}\n" if i % 2 else f"{p}: {i}\n"
+      for i, p in enumerate(pieces)), encoding="utf-8")
+  weights = _random_weights(np.random.default_rng(seed), pieces, pre_norm=pre_norm,
+                            shared=shared, tied=tied)
+  options = _model_yml(pre_norm, activation).encode() + b"\0"
+  np.savez(directory / "model.npz", **weights,
+           **{"special:model.yml": np.frombuffer(options, np.int8)})
+  (directory / "decoder.yml").write_text(
+      "models:\n  - model.npz\nvocabs:\n  - vocab.yml\n  - vocab.yml\nbeam-size: 4\n")
+  return directory, weights, pieces
+
+
+def write_hf(directory: Path, weights: dict, pieces: list[str], release: Path) -> Path:
+  """The same model as Hugging Face's conversion writes it: torch `[out, in]`
+  matrices, `<pad>` appended as the last id (a zero row, a zero logits bias)."""
+  directory.mkdir(parents=True)
+  t = {}
+
+  def pad_row(x):
+    return np.concatenate([x, np.zeros((1,) + x.shape[1:], x.dtype)])
+
+  for side in ("encoder", "decoder"):
+    for i in range(2):
+      hf, m = f"model.{side}.layers.{i}", f"{side}_l{i + 1}"
+      for hf_attn, m_attn in [("self_attn", "self")] + (
+          [("encoder_attn", "context")] if side == "decoder" else []):
+        for x, name in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "out_proj")):
+          t[f"{hf}.{hf_attn}.{name}.weight"] = weights[f"{m}_{m_attn}_W{x}"].T.copy()
+          t[f"{hf}.{hf_attn}.{name}.bias"] = weights[f"{m}_{m_attn}_b{x}"][0]
+        t[f"{hf}.{hf_attn}_layer_norm.weight"] = weights[f"{m}_{m_attn}_Wo_ln_scale"][0]
+        t[f"{hf}.{hf_attn}_layer_norm.bias"] = weights[f"{m}_{m_attn}_Wo_ln_bias"][0]
+      for k in ("1", "2"):
+        t[f"{hf}.fc{k}.weight"] = weights[f"{m}_ffn_W{k}"].T.copy()
+        t[f"{hf}.fc{k}.bias"] = weights[f"{m}_ffn_b{k}"][0]
+      t[f"{hf}.final_layer_norm.weight"] = weights[f"{m}_ffn_ffn_ln_scale"][0]
+      t[f"{hf}.final_layer_norm.bias"] = weights[f"{m}_ffn_ffn_ln_bias"][0]
+    t[f"model.{side}.embed_positions.weight"] = marian.marian_position_table(
+        512, D_MODEL).astype(np.float32)
+  t["model.shared.weight"] = pad_row(weights["Wemb"])
+  t["final_logits_bias"] = pad_row(weights["decoder_ff_logit_out_b"][0])[None]
+  safetensors_numpy.save_file(t, str(directory / "model.safetensors"))
+  vocab = {p: i for i, p in enumerate(pieces + ["<pad>"])}
+  (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+  (directory / "config.json").write_text(json.dumps({
+      "model_type": "marian", "architectures": ["MarianMTModel"], "d_model": D_MODEL,
+      "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": HEADS,
+      "decoder_attention_heads": HEADS, "encoder_ffn_dim": D_FF, "decoder_ffn_dim": D_FF,
+      "activation_function": "swish", "vocab_size": len(vocab), "pad_token_id": len(pieces),
+      "decoder_start_token_id": len(pieces), "eos_token_id": 0, "scale_embedding": True,
+      "max_position_embeddings": 512, "share_encoder_decoder_embeddings": True,
+      "dropout": 0.1, "attention_dropout": 0.0}))
+  for name in ("source.spm", "target.spm"):
+    (directory / name).write_bytes((release / name).read_bytes())
+  return directory
+
+
+def marian_weights_of(params: dict, config) -> dict[str, np.ndarray]:
+  """This project's parameters (post-LN, tied, unstacked) under Marian-NMT's
+  names and layout: the inverse of the import's mapping, written out here
+  (the d_model permutation undone, ids in Marian's order, PAD/BOS dropped)."""
+  inv = np.argsort(marian.residual_permutation(config.d_model))
+  d = config.d_model
+  w = {}
+
+  def attention(tree, prefix, norm):
+    for x, name in (("q", "query"), ("k", "key"), ("v", "value")):
+      w[f"{prefix}_W{x}"] = np.asarray(tree[name]["kernel"]).reshape(d, d)[inv]
+      w[f"{prefix}_b{x}"] = np.asarray(tree[name]["bias"]).reshape(1, d)
+    w[f"{prefix}_Wo"] = np.asarray(tree["out"]["kernel"]).reshape(d, d)[:, inv]
+    w[f"{prefix}_bo"] = np.asarray(tree["out"]["bias"])[inv][None]
+    w[f"{prefix}_Wo_ln_scale"] = np.asarray(norm["norm"]["scale"])[inv][None]
+    w[f"{prefix}_Wo_ln_bias"] = np.asarray(norm["norm"]["bias"])[inv][None]
+
+  for side, count in (("encoder", config.num_encoder_layers),
+                      ("decoder", config.num_decoder_layers)):
+    for i in range(count):
+      layer, prefix = params[side][f"layers_{i}"], f"{side}_l{i + 1}"
+      attention(layer["self_attention"], f"{prefix}_self", layer["self_attention_norm"])
+      if side == "decoder":
+        attention(layer["cross_attention"], f"{prefix}_context", layer["cross_attention_norm"])
+      ffn, norm = layer["feed_forward"], layer["feed_forward_norm"]["norm"]
+      w[f"{prefix}_ffn_W1"] = np.asarray(ffn["inner"]["kernel"])[inv]
+      w[f"{prefix}_ffn_b1"] = np.asarray(ffn["inner"]["bias"])[None]
+      w[f"{prefix}_ffn_W2"] = np.asarray(ffn["outer"]["kernel"])[:, inv]
+      w[f"{prefix}_ffn_b2"] = np.asarray(ffn["outer"]["bias"])[inv][None]
+      w[f"{prefix}_ffn_ffn_ln_scale"] = np.asarray(norm["scale"])[inv][None]
+      w[f"{prefix}_ffn_ffn_ln_bias"] = np.asarray(norm["bias"])[inv][None]
+  embedding = np.asarray(params["embeddings"]["embedding"]["embedding"])
+  marian_ids = np.arange(config.vocab_size - 2)
+  w["Wemb"] = embedding[marian_tokenizer.marian_to_ours(marian_ids)][:, inv]
+  return {k: np.ascontiguousarray(v, np.float32) for k, v in w.items()}
+
+
+@pytest.fixture(scope="module")
+def trained_release(tmp_path_factory):
+  """The trained fixture model written as an OPUS-MT release (its pieces from
+  id 4 are Marian's from id 2; Marian starts the decoder from a zero vector,
+  not the fixture's learned BOS), and CTranslate2's conversion of it: a model
+  whose greedy translations are sentences, not a random model's loops."""
+  fixture = REPO / "tests" / "fixtures" / "workdir_d26a6fb"
+  config = workdir_lib.load_model_config(str(fixture))
+  target = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  params = jax.device_get(averaging.load_params(str(fixture), target, "averaged"))
+  directory = tmp_path_factory.mktemp("trained") / "release"
+  directory.mkdir()
+  sp = spm.SentencePieceProcessor(model_file=str(fixture / "vocab.model"))
+  pieces = ["</s>", "<unk>"] + [sp.id_to_piece(i) for i in range(4, sp.get_piece_size())]
+  (directory / "vocab.yml").write_text("".join(f"{json.dumps(p, ensure_ascii=False)}: {i}\n"
+                                               for i, p in enumerate(pieces)), encoding="utf-8")
+  for name in ("source.spm", "target.spm"):
+    (directory / name).write_bytes((fixture / "vocab.model").read_bytes())
+  options = _model_yml(False, "relu").replace(f"dim-emb: {D_MODEL}", f"dim-emb: {config.d_model}")
+  options = options.replace(f"transformer-heads: {HEADS}", f"transformer-heads: {config.num_heads}")
+  options = options.replace(f"transformer-dim-ffn: {D_FF}", f"transformer-dim-ffn: {config.d_ff}")
+  np.savez(directory / "model.npz", **marian_weights_of(params, config),
+           **{"special:model.yml": np.frombuffer(options.encode() + b"\0", np.int8)})
+  (directory / "decoder.yml").write_text("models: [model.npz]\nvocabs: [vocab.yml, vocab.yml]\n")
+  ct2 = ctranslate2.converters.OpusMTConverter(str(directory)).convert(
+      str(directory.parent / "ct2"))
+  return directory, ct2, params
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+  """(release dir, weights, pieces, CTranslate2 model dir converted by CTranslate2)."""
+  root = tmp_path_factory.mktemp("marian")
+  directory, weights, pieces = write_release(root / "release")
+  ct2 = ctranslate2.converters.OpusMTConverter(str(directory)).convert(str(root / "ct2"))
+  return directory, weights, pieces, ct2
+
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+
+def _our_log_probs(config, params, sources, targets):
+  """Per sentence, sum over the target's ids + EOS of log p under teacher
+  forcing (the model's forward pass, float32, highest precision)."""
+  src_len = max(len(s) for s in sources) + 1
+  tgt_len = max(len(t) for t in targets) + 1
+  inputs = np.full((len(sources), src_len), config.pad_id, np.int32)
+  decoder_inputs = np.full((len(sources), tgt_len), config.pad_id, np.int32)
+  for row, (src, tgt) in enumerate(zip(sources, targets)):
+    inputs[row, :len(src) + 1] = src + [config.eos_id]
+    decoder_inputs[row, :len(tgt) + 1] = [config.bos_id] + tgt
+  with jax.default_matmul_precision("highest"):
+    logits = jax.jit(Transformer(config).apply)({"params": params}, inputs, decoder_inputs)
+  log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
+  return np.asarray([sum(log_probs[row, t, label] for t, label in enumerate(tgt + [config.eos_id]))
+                     for row, tgt in enumerate(targets)])
+
+
+def _check_scores(model: marian.MarianModel, ct2_dir, pieces):
+  """score_batch of random piece sequences == the imported model's."""
+  config = model.config
+  params = marian.params_from_marian(model.weights, config)
+  rng = np.random.default_rng(1)
+  sources = [list(rng.integers(2, len(pieces), size=n)) for n in (3, 7, 12)]
+  targets = [list(rng.integers(2, len(pieces), size=n)) for n in (5, 2, 9)]
+  scored = ctranslate2.Translator(str(ct2_dir), intra_threads=1).score_batch(
+      [[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets])
+  assert [len(r.log_probs) for r in scored] == [len(t) + 1 for t in targets]  # + EOS
+  ours = [marian_tokenizer.marian_to_ours(np.asarray(s)).tolist() for s in sources]
+  ours_t = [marian_tokenizer.marian_to_ours(np.asarray(t)).tolist() for t in targets]
+  np.testing.assert_allclose(_our_log_probs(config, params, ours, ours_t),
+                             [sum(r.log_probs) for r in scored], rtol=1e-5, atol=1e-4)
+
+
+def _ct2_greedy(ct2_dir, release_dir, sentences):
+  source = spm.SentencePieceProcessor(model_file=str(release_dir / "source.spm"))
+  target = spm.SentencePieceProcessor(model_file=str(release_dir / "target.spm"))
+  results = ctranslate2.Translator(str(ct2_dir), intra_threads=1).translate_batch(
+      [source.encode(s, out_type=str) for s in sentences], beam_size=1,
+      max_decoding_length=100, min_decoding_length=0)
+  lengths = [len(r.hypotheses[0]) for r in results]
+  assert max(lengths) < 100 and len(set(lengths)) > 3, lengths  # they end, not all alike
+  return [target.decode_pieces(r.hypotheses[0]) for r in results]
+
+
+# ----------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------
+
+
+def test_the_permutation_turns_marians_position_table_into_the_papers():
+  """Marian's table is [sin | cos]; dimension k here is Marian's perm[k]."""
+  perm = marian.residual_permutation(D_MODEL)
+  table = marian.marian_position_table(50, D_MODEL)
+  np.testing.assert_allclose(table[:, perm], sinusoidal_positional_encoding(
+      np.arange(50), D_MODEL), atol=1e-5)
+  assert not np.allclose(table, sinusoidal_positional_encoding(np.arange(50), D_MODEL),
+                         atol=1e-2)  # (the premise: the layouts do differ)
+
+
+def test_a_release_scores_and_translates_as_ctranslate2s_marian_converter_reads_it(release):
+  directory, weights, pieces, ct2 = release
+  model = marian.read_marian_release(str(directory))
+  assert model.pieces == pieces  # vocab.yml read back, quoted and plain lines alike
+  assert (model.config.activation, model.config.normalization) == ("swish", "post")
+  _check_scores(model, ct2, pieces)
+
+
+@pytest.mark.parametrize("variant", [
+    {"pre_norm": True, "activation": "relu"},
+    {"shared": False, "tied": False},
+])
+def test_other_marian_layouts_score_as_ctranslate2(variant, tmp_path):
+  directory, _, pieces = write_release(tmp_path / "release", seed=3, **variant)
+  ct2 = ctranslate2.converters.OpusMTConverter(str(directory)).convert(str(tmp_path / "ct2"))
+  model = marian.read_marian_release(str(directory))
+  assert model.config.share_embeddings == variant.get("shared", True)
+  _check_scores(model, ct2, pieces)
+
+
+def test_the_hugging_face_format_gives_the_same_model(release, tmp_path):
+  directory, weights, pieces, ct2 = release
+  hf = marian.read_hf_directory(str(write_hf(tmp_path / "hf", weights, pieces, directory)))
+  npz = marian.read_marian_release(str(directory))
+  assert hf.config == npz.config and hf.pieces == npz.pieces
+  for a, b in zip(jax.tree.leaves(marian.params_from_marian(hf.weights, hf.config)),
+                  jax.tree.leaves(marian.params_from_marian(npz.weights, npz.config))):
+    np.testing.assert_array_equal(a, b)
+  _check_scores(hf, ct2, pieces)
+
+
+def test_the_import_of_a_trained_model_is_that_model(trained_release):
+  """Written out under Marian's names and read back: every parameter is the
+  fixture's, but for the rows of PAD and BOS (zero: Marian has none) and the
+  logits bias (-1e9 on PAD and BOS, else the fixture's none: 0)."""
+  directory, _, params = trained_release
+  model = marian.read_marian_release(str(directory))
+  imported = marian.params_from_marian(model.weights, model.config)
+  embedding = imported["embeddings"]["embedding"]["embedding"]
+  fixture_embedding = params["embeddings"]["embedding"]["embedding"]
+  np.testing.assert_array_equal(embedding[[1, 3, 4, 399]], fixture_embedding[[1, 3, 4, 399]])
+  assert not embedding[[0, 2]].any() and fixture_embedding[2].any()
+  bias = imported["decoder"].pop("logits_bias")
+  assert (bias[[0, 2]] == marian.NEVER).all() and not np.delete(bias, [0, 2]).any()
+  for tree in (imported, params):
+    tree["embeddings"]["embedding"]["embedding"] = np.asarray(
+        tree["embeddings"]["embedding"]["embedding"])[4:]
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(imported)[0],
+                          jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
+SENTENCES = [s for s, _ in demo_task.demo_splits(5, num_train=12, num_eval=1,
+                                                 num_test=1)["train"]]
+SENTENCES[3] = ""  # a blank line gives a blank line
+
+
+def test_an_imported_workdir_decodes_as_ctranslate2_from_the_command_line(trained_release,
+                                                                          tmp_path):
+  """python -m transformer.interop.marian, then decode.py: N lines in, N out,
+  each CTranslate2's greedy translation of the same files."""
+  directory, ct2, _ = trained_release
+  workdir = tmp_path / "imported"
+  run = subprocess.run([sys.executable, "-m", "transformer.interop.marian",
+                        f"--model={directory}", f"--workdir={workdir}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  (tmp_path / "in.txt").write_text("\n".join(SENTENCES) + "\n")
+  run = subprocess.run([sys.executable, "decode.py", f"--workdir={workdir}",
+                        f"--input={tmp_path / 'in.txt'}", f"--output={tmp_path / 'out.txt'}",
+                        "--method=greedy"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  ours = (tmp_path / "out.txt").read_text().split("\n")[:-1]
+  expected = _ct2_greedy(ct2, directory, SENTENCES)
+  assert len(ours) == len(SENTENCES)
+  assert [o for o, s in zip(ours, SENTENCES) if s] == [e for e, s in zip(expected, SENTENCES) if s]
+  assert ours[SENTENCES.index("")] == ""
+  # Served elsewhere: this project's export of the imported workdir translates
+  # as CTranslate2's conversion of the original files.
+  run = subprocess.run([sys.executable, "-m", "transformer.interop.ctranslate2_export",
+                        f"--workdir={workdir}", f"--output_dir={tmp_path / 'exported'}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "source.spm, target.spm" in run.stdout
+  assert _ct2_greedy(tmp_path / "exported", tmp_path / "exported", SENTENCES) == expected
+
+
+def test_the_marian_vocabulary(release, tmp_path):
+  directory, _, pieces, _ = release
+  workdir = marian.import_model(str(directory), str(tmp_path / "w"))
+  tok = load_tokenizer(workdir_lib.vocab_path(workdir))
+  assert isinstance(tok, marian_tokenizer.MarianTokenizer)
+  assert tok.vocab_size == len(pieces) + 2
+  assert [tok.id_to_piece(i) for i in range(4)] == ["<pad>", "</s>", "<s>", "<unk>"]
+  assert (tok.pad_id, tok.eos_id, tok.bos_id, tok.unk_id) == (
+      tokenizer_lib.PAD_ID, tokenizer_lib.EOS_ID, tokenizer_lib.BOS_ID, tokenizer_lib.UNK_ID)
+  source = spm.SentencePieceProcessor(model_file=str(directory / "source.spm"))
+  target = spm.SentencePieceProcessor(model_file=str(directory / "target.spm"))
+  text = "seven green frogs"
+  # Each side through its own SentencePiece model, then the shared table (+2).
+  assert tok.encode(text) == [pieces.index(p) + 2 for p in source.encode(text, out_type=str)]
+  assert tok.encode_target(text) == [pieces.index(p) + 2
+                                     for p in target.encode(text, out_type=str)]
+  assert tok.decode(tok.encode_target(text) + [tok.eos_id, 9]) == text
+  assert tok.encode("Ω") == [pieces.index("▁") + 2, tok.unk_id]  # not in the table
+  assert pickle.loads(pickle.dumps(tok)).encode(text) == tok.encode(text)
+  assert (Path(workdir) / "source.spm").read_bytes() == (directory / "source.spm").read_bytes()
+
+
+def test_import_refusals_name_the_problem(release, tmp_path, monkeypatch):
+  directory, weights, pieces, _ = release
+  hf = write_hf(tmp_path / "hf", weights, pieces, directory)
+  (hf / "model.safetensors").rename(hf / "pytorch_model.bin")
+  with pytest.raises(ValueError, match="pytorch_model.bin but no model.safetensors.*torch"):
+    marian.read_model(str(hf))
+  workdir = marian.import_model(str(directory), str(tmp_path / "w"))
+  with pytest.raises(FileExistsError, match="--force"):
+    marian.import_model(str(directory), workdir)
+  marian.import_model(str(directory), workdir, force=True)
+  with pytest.raises(ValueError, match="holds an imported model.*init_from"):
+    workdir_lib.check_config(workdir, {})
+  other = tmp_path / "release2"
+  write_release(other, activation="gelu")
+  with pytest.raises(ValueError, match="activation 'gelu'"):
+    marian.read_model(str(other))
+  # A hub id goes through huggingface_hub (here a stand-in: no network in tests).
+  import huggingface_hub
+  hf_ok = write_hf(tmp_path / "hub", weights, pieces, directory)
+  monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                      lambda repo_id, revision=None, allow_patterns=None: str(hf_ok))
+  model = marian.read_model("Helsinki-NLP/opus-mt-xx-yy")
+  assert model.pieces == pieces
+
+
+def test_fine_tuning_starts_from_the_imported_model(release, tmp_path):
+  """--config.init_from=<imported>: the model (swish, logits bias, epsilon) and
+  the Marian vocabulary are the imported ones; with a learning rate of 0 the
+  run's checkpoint holds exactly the imported parameters."""
+  import train_worker
+  from transformer.training import loop
+  directory, _, _, _ = release
+  imported = marian.import_model(str(directory), str(tmp_path / "imported"))
+  tuned = tmp_path / "tuned"
+  loop.train_and_evaluate(train_worker.tiny_config(dict(
+      init_from=imported, num_train_steps=2, checkpoint_every=2, average_last=1,
+      learning_rate_scale=0.0, test_report=False)), str(tuned), quiet=True)
+  config = workdir_lib.load_model_config(str(tuned))
+  source = workdir_lib.load_model_config(imported)
+  assert config.replace(dropout_rate=source.dropout_rate) == source
+  assert (tuned / "vocab.model").read_bytes() == (Path(imported) / "vocab.model").read_bytes()
+  target = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  for a, b in zip(jax.tree.leaves(averaging.load_params(str(tuned), target, 2)),
+                  jax.tree.leaves(averaging.load_params(imported, target, "averaged"))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
