@@ -394,6 +394,15 @@ def test_bad_configs_fail_before_training(tmp_path):
   assert not (tmp_path / "w" / "checkpoints").exists()
 
 
+def test_the_finetune_recipe_names_init_from_when_it_is_missing():
+  from transformer.configs import finetune
+  config = finetune.get_config()
+  with pytest.raises(ValueError, match="config.init_from is empty: this config fine-tunes"):
+    run_setup.check_train_config(config)
+  config.init_from = "runs/base"
+  run_setup.check_train_config(config)
+
+
 def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
   """The Python API takes the workdir's lock too (train.py: test_train_cli.py)."""
   with run_lock.hold(str(tmp_path)):

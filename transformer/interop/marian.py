@@ -1,7 +1,8 @@
 """Import a Marian / OPUS-MT model into an ordinary workdir (decode.py, the
 Python API, the notebook and fine-tuning with --config.init_from work on it).
 
-    python -m transformer.interop.marian --model=Helsinki-NLP/opus-mt-de-en --workdir=runs/opus-de-en
+    python -m transformer.interop.marian --model=Helsinki-NLP/opus-mt-de-en \
+        --workdir=runs/opus-de-en
     python -m transformer.interop.marian --model=path/to/hf_model_dir --workdir=...
     python -m transformer.interop.marian --model=path/to/opus_mt_release --workdir=...
 
@@ -35,7 +36,7 @@ CTranslate2's own Marian converter in tests/test_marian.py):
     also the decoder's start) are moved into this project's (pad 0, eos 1,
     bos 2, unk 3) by permuting the embedding rows (`marian_tokenizer.py`).
     Marian starts the decoder from a zero vector: BOS's embedding row is zero.
-    PAD and BOS get a logits bias of -1e9, so they are never predicted and the
+    PAD and BOS get a logits bias of -50 (NEVER): never predicted, and the
     softmax is Marian's over its own vocabulary (Hugging Face's model keeps a
     little probability on `<pad>` and forbids it at generation instead).
   * The two SentencePiece models (source, target) through one piece table:
@@ -70,8 +71,10 @@ from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 
-# Never predicted: PAD and BOS have no Marian id (exp(-1e9 - max) is 0 in float32).
-NEVER = -1e9
+# Never predicted: PAD and BOS have no Marian id. exp(-50) is below float32's
+# resolution of any softmax, yet small enough that label smoothing, which sums
+# every logit, is not swamped (a -1e9 bias would add ~2e9 x eps / V to the loss).
+NEVER = -50.0
 LAYER_NORM_EPSILON = 1e-5  # torch's, which Hugging Face's Marian and CTranslate2 use
 MAX_LEN = 512              # Hugging Face's max_position_embeddings for OPUS-MT
 HF_FILES = ("config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json")
@@ -427,7 +430,8 @@ def _config_from_options(options: dict, vocab_size: int, weights: dict,
   need(options.get("transformer-postprocess-emb", "d") in ("d", ""),
        "a LayerNorm on the embeddings (--transformer-postprocess-emb n) is not imported")
   need(not options.get("transformer-tied-layers"), "tied layers are not imported")
-  layout = (options.get("transformer-preprocess", ""), options.get("transformer-postprocess", "dan"),
+  layout = (options.get("transformer-preprocess", ""),
+            options.get("transformer-postprocess", "dan"),
             options.get("transformer-postprocess-top", ""))
   need(layout in (("", "dan", ""), ("n", "da", "n")),
        f"pre/post-processing {layout} is neither post-LN ('', 'dan', '') nor pre-LN "

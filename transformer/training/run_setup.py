@@ -96,6 +96,10 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
 
 
 def check_train_config(config) -> None:
+  if config.get("require_init_from") and not config.get("init_from"):
+    raise ValueError("config.init_from is empty: this config fine-tunes a pretrained model; "
+                     "set --config.init_from=<the workdir of that model> (one train.py wrote, "
+                     "or python -m transformer.interop.marian imported).")
   unknown = _unknown_model_fields(config)
   if unknown:
     raise ValueError(f"config.model has unknown field(s) {unknown}; valid fields are "
