@@ -383,6 +383,7 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
 def test_bad_configs_fail_before_training(tmp_path):
   for overrides, match in [({"num_train_steps": 0}, "num_train_steps"),
                            ({"batch_size": 0}, "batch_size"),
+                           ({"average_last": 4}, "average_last=4 .*keep_checkpoints=3"),
                            ({"model.bogus": 1}, "bogus")]:
     config = train_worker.tiny_config()
     if "model.bogus" in overrides:
@@ -392,6 +393,23 @@ def test_bad_configs_fail_before_training(tmp_path):
     with pytest.raises(ValueError, match=match):
       training.train_and_evaluate(config, str(tmp_path / "w"), quiet=True)
   assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_average_last_beyond_keep_checkpoints_is_one_sentence_naming_both():
+  """Averaging more checkpoints than are kept would silently average fewer."""
+  config = train_worker.tiny_config({"keep_checkpoints": 3, "average_last": 5})
+  with pytest.raises(ValueError) as error:
+    run_setup.check_train_config(config)
+  message = str(error.value)
+  assert "config.average_last=5" in message and "config.keep_checkpoints=3" in message
+  assert message.endswith(".") and message.count(". ") == 0   # one sentence
+  assert "--config.keep_checkpoints=5" in message            # the way out
+  for average_last in (0, 1, 3):                              # as many as kept, or none
+    run_setup.check_train_config(train_worker.tiny_config(
+        {"keep_checkpoints": 3, "average_last": average_last}))
+  with pytest.raises(ValueError, match="config.keep_checkpoints=0 must be >= 1"):
+    run_setup.check_train_config(train_worker.tiny_config(
+        {"keep_checkpoints": 0, "average_last": 0}))
 
 
 def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):

@@ -98,14 +98,21 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
 
 
 def check_train_config(config) -> None:
+  """Raises ValueError, naming the field and what to do, for a config that
+  cannot train: called before anything is read, written or compiled."""
   unknown = _unknown_model_fields(config)
   if unknown:
     raise ValueError(f"config.model has unknown field(s) {unknown}; valid fields are "
                      f"{sorted(f.name for f in dataclasses.fields(TransformerConfig))}.")
   for name in ("num_train_steps", "batch_size", "max_length", "grad_accum_steps",
-               "log_every", "eval_every", "checkpoint_every"):
+               "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     if int(config[name]) < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if int(config.average_last) > int(config.keep_checkpoints):
+    raise ValueError(
+        f"config.average_last={config.average_last} cannot average more checkpoints than "
+        f"config.keep_checkpoints={config.keep_checkpoints} keeps: set "
+        f"--config.keep_checkpoints={config.average_last} or lower --config.average_last.")
   if config.get("state_sharding", "replicated") not in parallel.STATE_SHARDINGS:
     raise ValueError(f"config.state_sharding={config.state_sharding!r} must be one of "
                      f"{parallel.STATE_SHARDINGS}.")
