@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import struct
@@ -410,6 +411,46 @@ def test_average_last_beyond_keep_checkpoints_is_one_sentence_naming_both():
   with pytest.raises(ValueError, match="config.keep_checkpoints=0 must be >= 1"):
     run_setup.check_train_config(train_worker.tiny_config(
         {"keep_checkpoints": 0, "average_last": 0}))
+
+
+def test_the_vocabulary_honours_vocab_max_sentences_over_the_whole_corpus_on_every_core(
+    tmp_path, monkeypatch, caplog):
+  """What reaches SentencePiece: vocab_max_sentences sentences (source, target
+  of each pair), from pairs evenly spaced from the corpus's first to its last,
+  even where train_tokenizer's own default limit is smaller (it once cut the
+  sample to its first half), trained with a thread per available core."""
+  import sentencepiece as spm
+  num_pairs, max_sentences = 1000, 600
+  pairs = [(f"a{i} b", f"c d{i}") for i in range(num_pairs)]
+  seen = {}
+  real_train = spm.SentencePieceTrainer.train
+
+  def spy(**kwargs):
+    seen["sentences"] = list(kwargs.pop("sentence_iterator"))
+    seen["num_threads"] = kwargs["num_threads"]
+    return real_train(sentence_iterator=iter(seen["sentences"]), **kwargs)
+
+  monkeypatch.setattr(spm.SentencePieceTrainer, "train", spy)
+  monkeypatch.setitem(tokenizer_lib.train_tokenizer.__kwdefaults__, "max_sentences", 100)
+  config = train_worker.tiny_config({"vocab_size": 40})
+  config.vocab_max_sentences = max_sentences
+  with caplog.at_level(logging.INFO, logger="transformer"):
+    tokenizer = run_setup.get_tokenizer(config, str(tmp_path), pairs)
+
+  sentences = seen["sentences"]
+  assert len(sentences) == max_sentences
+  sources, targets = sentences[0::2], sentences[1::2]
+  index = [int(s.split()[0][1:]) for s in sources]
+  assert targets == [f"c d{i}" for i in index]           # each pair's source, then its target
+  assert index[0] == 0 and index[-1] == num_pairs - 1     # the whole corpus, both ends
+  gaps = set(np.diff(index).tolist())                     # evenly: 999 / 299 = 3.34
+  assert gaps <= {3, 4}, gaps
+  assert seen["num_threads"] == len(os.sched_getaffinity(0))
+  assert tokenizer.encode("a7 b") and (tmp_path / "vocab.model").exists()
+  assert (f"on {max_sentences} sentences ({max_sentences // 2} of the {num_pairs} training "
+          "pairs, evenly spaced" in caplog.text)
+  assert re.search(rf"Trained the vocabulary \(\d+ pieces\) on {max_sentences} sentences "
+                   r"in \d+\.\d s", caplog.text), caplog.text
 
 
 def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 
 import jax
 import ml_collections
@@ -52,6 +53,30 @@ def vocabulary_file(config) -> str:
   return ""
 
 
+def train_vocabulary(config, train_pairs, path: str) -> tokenizer_lib.Tokenizer:
+  """A SentencePiece vocabulary of config.vocab_size pieces trained on at most
+  config.vocab_max_sentences sentences (default 1,000,000): the source and
+  target of pairs evenly spaced over the whole training corpus
+  (`sources.sample_sentences`), on every core this process may use. Written
+  to `path` when it is local (the caller writes a gs://... one). Logs the
+  sample's size and the time taken."""
+  max_sentences = int(config.get("vocab_max_sentences", tokenizer_lib.DEFAULT_MAX_SENTENCES))
+  threads = tokenizer_lib.available_cores()
+  start = time.perf_counter()
+  sample = list(data_sources.sample_sentences(train_pairs, max_sentences))
+  logger.info("Training a SentencePiece vocabulary of %d pieces on %d sentences (%d of the "
+              "%d training pairs, evenly spaced; config.vocab_max_sentences=%d), %d threads "
+              "-> %s", config.vocab_size, len(sample), len(sample) // 2, len(train_pairs),
+              max_sentences, threads, path)
+  tokenizer = tokenizer_lib.train_tokenizer(
+      sample, path if multihost.is_local(path) else None, config.vocab_size,
+      model_type=config.get("vocab_model_type", "unigram"), max_sentences=len(sample),
+      num_threads=threads)
+  logger.info("Trained the vocabulary (%d pieces) on %d sentences in %.1f s.",
+              tokenizer.vocab_size, len(sample), time.perf_counter() - start)
+  return tokenizer
+
+
 def get_tokenizer(config, workdir: str, train_pairs, *,
                   shared: bool = True) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
@@ -73,12 +98,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
       elif epath.Path(path).exists():
         model = tokenizer_lib.load_tokenizer(path).serialized_model()
       else:
-        logger.info("Training a SentencePiece vocabulary of %d pieces -> %s",
-                    config.vocab_size, path)
-        model = tokenizer_lib.train_tokenizer(
-            data_sources.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
-            path if multihost.is_local(path) else None, config.vocab_size,
-            model_type=config.get("vocab_model_type", "unigram")).serialized_model()
+        model = train_vocabulary(config, train_pairs, path).serialized_model()
     except Exception as e:  # (the others wait for the vocabulary: send them nothing)
       if jax.process_count() == 1:
         raise
