@@ -730,6 +730,144 @@ def test_killed_anywhere_resumes_exactly_soak(seed, tmp_path, reference_run, com
   assert_same_as_reference(tmp_path, ref_dir)
 
 
+# Preemption: a notice (JAX's multi-host preemption sync, faked) or a real
+# SIGTERM to train.py: save, stop (train.py: exit status 143), resume exactly.
+
+TRAIN_LOSSES = ("loss", "nll", "accuracy")
+
+
+def train_losses(workdir) -> dict[int, tuple]:
+  """{step: (loss, nll, accuracy)} of the train records of metrics.jsonl (one per step)."""
+  records = [r for r in read_metrics(workdir) if r["split"] == "train"]
+  losses = {r["step"]: tuple(r[k] for k in TRAIN_LOSSES) for r in records}
+  assert len(losses) == len(records), "a step logged twice"
+  return losses
+
+
+def test_a_preemption_notice_saves_stops_and_resumes_exactly(tmp_path, reference_run,
+                                                             compilation_cache, monkeypatch):
+  """The notice that JAX's preemption service gives every process of a
+  multi-host run at the same step (faked at step 10, through the public
+  multihost_utils.reached_preemption_sync_point that orbax reads too): the
+  run saves step 10 and stops there; run again, it ends with the
+  uninterrupted reference's state, data position, averaged parameters,
+  losses and evaluation, bit for bit."""
+  from jax.experimental import multihost_utils
+  from transformer.runtime import preemption
+  ref_dir, ref_result = reference_run
+  asked = []
+
+  def notice_at_10(step):
+    asked.append(step)
+    return step == 10
+
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", notice_at_10)
+  with pytest.raises(preemption.Preempted) as stopped:
+    train(tmp_path, REF)
+  assert str(stopped.value) == (
+      f"preempted (a preemption notice) at step 10: saved checkpoint 10 in "
+      f"{tmp_path}/checkpoints; run the same command again to resume from it")
+  assert max(asked) == 10 and set(range(1, 11)) <= set(asked)   # asked every step, none after
+  assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
+  assert not (tmp_path / "checkpoints_averaged").exists()        # stopped before the end
+  monkeypatch.undo()
+
+  resumed = train(tmp_path, REF)
+  assert resumed.step == REF_STEPS
+  state, data_state = load_state(tmp_path, REF)
+  ref_state, ref_data_state = load_state(ref_dir, REF)
+  assert_trees_equal(state, ref_state)     # params, Adam moments, count, RNG: bitwise
+  assert data_state == ref_data_state
+  assert_trees_equal(load_params(tmp_path, "averaged"), load_params(ref_dir, "averaged"))
+  assert train_losses(tmp_path) == train_losses(ref_dir)        # steps 5, 10 | 15, 20, 24
+  assert list(train_losses(tmp_path)) == [5, 10, 15, 20, 24]
+  assert resumed.eval == ref_result.eval
+
+
+def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compilation_cache):
+  """A real SIGTERM, sent to `python train.py` once it trains: it saves the
+  step it is at, says so and exits with 128 + SIGTERM; the same command
+  (trained on a few steps further) ends like a run never stopped: state,
+  data position, every step's loss and the evaluation, bit for bit."""
+  overrides = {"log_every": 1, "adam_eps": COMPARABLE_ADAM_EPS}
+  workdir = tmp_path / "run"
+  env = subprocess_env(compilation_cache)
+
+  def command(num_train_steps):
+    values = dict(train_worker.TINY_OVERRIDES, **overrides, num_train_steps=num_train_steps)
+    return [sys.executable, "train.py", f"--workdir={workdir}", "--quiet",
+            *[f"--config.{k}={v}" for k, v in values.items()]]
+
+  proc = subprocess.Popen(command(100_000), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
+      assert proc.poll() is None, proc.communicate()
+      assert time.monotonic() < deadline, "train.py did not start training"
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)                     # training: step 1 is logged
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 143, err[-3000:]
+  (saved,) = checkpoints.checkpoint_steps(workdir)
+  assert f"preempted (SIGTERM) at step {saved}: saved checkpoint {saved} in " in err
+  assert list(train_losses(workdir)) == list(range(1, saved + 1))  # logged up to the save
+  assert "run stopped: preempted (SIGTERM)" in (workdir / "train.log").read_text()
+
+  end = saved + 3
+  run_checked(command(end), env, TIMEOUT_S)
+  reference = train(tmp_path / "reference", dict(overrides, num_train_steps=end))
+  state, data_state = load_state(workdir, overrides)
+  ref_state, ref_data_state = load_state(tmp_path / "reference", overrides)
+  assert int(state["step"]) == end
+  assert_trees_equal(state, ref_state)
+  assert data_state == ref_data_state
+  assert train_losses(workdir) == train_losses(tmp_path / "reference")
+  evals = [r for r in read_metrics(workdir) if r["split"] == "eval"]
+  assert [r["loss"] for r in evals] == [reference.eval["loss"]]
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
+  """Several processes: JAX's preemption service (started by
+  jax.distributed.initialize) catches a SIGTERM sent to process 1 alone and
+  has both processes save the same step together, then stop with 143."""
+  workdir, port = tmp_path / "workdir", free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  overrides = {"num_train_steps": 100_000, "log_every": 1}
+  outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
+  procs = [subprocess.Popen(
+      [sys.executable, str(WORKER), f"--workdir={workdir}", f"--overrides={json.dumps(overrides)}",
+       "--num_processes=2", f"--process_id={pid}", f"--port={port}", "--num_cpu_devices=1",
+       f"--out={outs[pid]}"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
+      assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+      assert time.monotonic() < deadline, "the processes did not start training"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [143, 143], [log[-3000:] for log in logs]
+  results = [json.loads(o.read_text()) for o in outs]
+  (saved,) = checkpoints.checkpoint_steps(workdir)
+  assert results == [{"preempted_at": saved, "reason": "a preemption notice"}] * 2
+  data_dir = workdir / "checkpoints" / str(saved) / "data_state"
+  assert sorted(p.name for p in data_dir.glob("*.json")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  assert list(train_losses(workdir)) == list(range(1, saved + 1))
+
+
 # ----------------------------------------------------------------------------
 # 7. NaN: stop, name the step and the last good checkpoint, keep it
 # ----------------------------------------------------------------------------

@@ -10,6 +10,8 @@ devices, or with several processes, need a process of their own. The worker
 writes the `TrainResult` (step, train/eval summaries) as JSON to --out; the
 tests read the params from the workdir's checkpoint. With --kill it SIGKILLs
 itself in the middle of a phase of the run (`arm_kill`), for the soak test.
+Stopped by a preemption notice, it writes {"preempted_at": step, "reason"}
+and exits with status 143, as train.py does.
 
 Importing this module does not import JAX.
 """
@@ -170,8 +172,15 @@ def main() -> None:
   from transformer.training import loop as training
   if args.kill:
     arm_kill(**json.loads(args.kill))
+  from transformer.runtime import preemption
   config = tiny_config(json.loads(args.overrides))
-  result = training.train_and_evaluate(config, args.workdir, quiet=True)
+  try:
+    result = training.train_and_evaluate(config, args.workdir, quiet=True)
+  except preemption.Preempted as e:   # (as train.py: the step saved, then 143)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump({"preempted_at": e.step, "reason": e.reason}, f)
+    sys.exit(preemption.PREEMPTED_EXIT_STATUS)
   out = {"step": result.step, "train": result.train, "eval": result.eval,
          "process_index": jax.process_index(), "process_count": jax.process_count(),
          "device_count": jax.device_count(), "local_device_count": jax.local_device_count()}
