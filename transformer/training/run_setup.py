@@ -133,6 +133,9 @@ def check_train_config(config) -> None:
         f"config.average_last={config.average_last} cannot average more checkpoints than "
         f"config.keep_checkpoints={config.keep_checkpoints} keeps: set "
         f"--config.keep_checkpoints={config.average_last} or lower --config.average_last.")
+  if config.get("shared_workdir", "auto") not in multihost.SHARED_WORKDIR_CHOICES:
+    raise ValueError(f"config.shared_workdir={config.shared_workdir!r} must be one of "
+                     f"{multihost.SHARED_WORKDIR_CHOICES} (auto: found out at the start).")
   if config.get("state_sharding", "replicated") not in parallel.STATE_SHARDINGS:
     raise ValueError(f"config.state_sharding={config.state_sharding!r} must be one of "
                      f"{parallel.STATE_SHARDINGS}.")
