@@ -616,6 +616,47 @@ def test_two_processes_match_a_single_process_replay(tmp_path):
   np.testing.assert_allclose(logged[0]["loss"], mean_loss, rtol=1e-5)
 
 
+# Two processes: each evaluates the loss of its share of the pairs (33 pairs in
+# batches of 8 rows per process: shares of 16 and 17, so process 0 needs an
+# empty third batch to match process 1's three).
+SPLIT_EVAL = {"num_eval_examples": 33, "eval_batch_size": 8}
+SPLIT_EVAL_WORKER = """
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from transformer.runtime import parallel
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+parallel.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, pid, num_cpu_devices=1,
+                                      initialization_timeout=60)
+import train_worker
+print(json.dumps(train_worker.eval_loss_sums(sys.argv[3], json.loads(sys.argv[5]))))
+parallel.shutdown_distributed()
+"""
+
+
+def test_two_processes_split_the_eval_loss_and_match_one_process(tokenizer, tmp_path):
+  """Each pair's loss is computed once over two processes (the summed target
+  tokens and correct predictions are exactly one process's: computed on both,
+  they would double), and the loss and NLL sums are one process's up to float
+  summation order."""
+  port = free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  outputs = run_together([[sys.executable, "-c", SPLIT_EVAL_WORKER, str(pid), str(port),
+                           tokenizer.model_path, str(REPO / "tests"), json.dumps(SPLIT_EVAL)]
+                          for pid in range(2)], env, TIMEOUT_S)
+  split = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+  assert split[0] == split[1]
+  with jax.default_matmul_precision("highest"):
+    alone = train_worker.eval_loss_sums(tokenizer.model_path, SPLIT_EVAL)
+  pairs = data_sources.load_split(train_worker.tiny_config(SPLIT_EVAL).data, "eval")[:33]
+  tokens = sum(min(len(tokenizer.encode(t)) + 1, train_worker.TINY_OVERRIDES["max_length"])
+               for _, t in pairs)                       # (targets with EOS, truncated)
+  assert alone["weight"] == tokens
+  assert split[0]["weight"] == alone["weight"] and split[0]["correct"] == alone["correct"]
+  for name in ("loss", "nll"):
+    np.testing.assert_allclose(split[0][name], alone[name], rtol=1e-6, err_msg=name)
+
+
 # ----------------------------------------------------------------------------
 # 6. Exact resume; SIGKILL
 # ----------------------------------------------------------------------------

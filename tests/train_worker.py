@@ -80,6 +80,27 @@ def config_file_text(overrides: dict[str, Any] | None = None) -> str:
       "  return config\n")
 
 
+def eval_loss_sums(vocab_path: str, overrides: dict[str, Any]) -> dict[str, float]:
+  """`Evaluator.loss_sums` of the tiny model at its initial parameters (seed
+  0) on the validation pairs of tiny_config(overrides), with the vocabulary
+  at `vocab_path`, over this process's devices (and with several processes,
+  all of theirs): the split evaluation's test compares one process with two."""
+  import jax
+  from transformer.data import sources
+  from transformer.data import tokenizer as tokenizer_lib
+  from transformer.model.transformer import init_params
+  from transformer.runtime import parallel
+  from transformer.training import evaluation, run_setup
+  config = tiny_config(overrides)
+  tokenizer = tokenizer_lib.load_tokenizer(vocab_path)
+  model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
+  params = init_params(model_config, jax.random.key(0))
+  evaluator = evaluation.Evaluator(config, model_config, tokenizer,
+                                   sources.load_split(config.data, "eval"),
+                                   parallel.make_mesh(), writer=None)
+  return evaluator.loss_sums(params)
+
+
 KILL_PHASES = ("step", "save", "eval", "average")
 
 
