@@ -7,6 +7,8 @@
 
 Running again with the same --workdir resumes from its last checkpoint.
 A fatal error prints one line; the full traceback is in <workdir>/train.log.
+On SIGTERM (a scheduler's preemption notice) it saves a checkpoint and exits
+with status 143 (128 + SIGTERM); run the same command again to resume.
 """
 
 import logging
@@ -115,7 +117,7 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("transformer").setLevel(logging.INFO)
   multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from transformer.runtime import compile_cache
+  from transformer.runtime import compile_cache, preemption
   from transformer.training import loop as training
 
   compile_cache.enable(_COMPILATION_CACHE.value)
@@ -128,6 +130,9 @@ def main(argv):
     print(f"\nInterrupted. Run the same command again to resume from {workdir}.",
           file=sys.stderr)
     return 130
+  except preemption.Preempted as e:  # (a scheduler's SIGTERM: saved, then 128 + SIGTERM)
+    print(f"\n{e}.", file=sys.stderr)
+    return preemption.PREEMPTED_EXIT_STATUS
   except Exception as e:  # one line; the traceback is in the run's log
     message = _user_error_message(e, workdir) or _report_bug(e, workdir)
     print(f"error: {message}", file=sys.stderr)

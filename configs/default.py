@@ -43,6 +43,10 @@ def get_config() -> ml_collections.ConfigDict:
   # do not fit replicated; parameters gathered and gradients reduce-scattered
   # once per update).
   config.state_sharding = "replicated"
+  # Several processes: whether they share one workdir ("yes": a shared disk or a
+  # bucket), each have their own ("no"), or "auto": found out at the start with a
+  # marker file (say "yes" where a network disk is too slow to show it).
+  config.shared_workdir = "auto"
 
   # The model (transformer.model.TransformerConfig fields; vocab_size and the
   # special ids come from the vocabulary).

@@ -197,6 +197,9 @@ SLURM_STEP = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "node[01-02]",
       "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3",
       "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, ("ompi", 4)),   # mpirun -n 4
     ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),       # not one of ours
+    (dict(SLURM_STEP, SLURM_NTASKS="two"), None),         # half-set: not ours to start
+    ({"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1:34911"}, None),  # no size
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, None),            # no TPU here
 ])
 def test_cluster_detected(env, expected, monkeypatch):
   for name in list(os.environ):
@@ -204,7 +207,98 @@ def test_cluster_detected(env, expected, monkeypatch):
       monkeypatch.delenv(name)
   for name, value in env.items():
     monkeypatch.setenv(name, value)
+  monkeypatch.setattr(multihost, "_on_a_tpu_vm", lambda: False)
   assert multihost.cluster_detected() == expected
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, ("tpuvm", None)),                                   # a TPU VM: JAX reads its metadata
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3"}, ("gketpu", 4)),  # a v5e-16 slice on GKE
+    ({"TPU_WORKER_HOSTNAMES": "t0,t1", "MEGASCALE_NUM_SLICES": "2"}, ("gketpu", 4)),
+    ({"TPU_PROCESS_ADDRESSES": "10.0.0.1:8476", "TPU_WORKER_HOSTNAMES": "t0"}, None),  # one host
+    (dict(SLURM_STEP, SLURM_NTASKS="2"), ("slurm", 2)),      # Slurm first, as JAX
+])
+def test_cluster_detected_on_a_tpu_machine(env, expected, monkeypatch):
+  """On a machine with TPU chips (faked: `_on_a_tpu_vm`), read from GKE's
+  variables, else left to JAX (the hosts are in the VM's metadata)."""
+  for name in list(os.environ):
+    if name.startswith(("SLURM_", "OMPI_", "KUBERNETES_", "TPU_", "MEGASCALE_")):
+      monkeypatch.delenv(name)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.setattr(multihost, "_on_a_tpu_vm", lambda: True)
+  assert multihost.cluster_detected() == expected
+
+
+def test_no_private_jax_module_is_imported_by_the_library():
+  """The library reads clusters itself: nothing of jax._src is imported by
+  name (JAX may move or drop it in any release)."""
+  import ast
+  offenders = []
+  for path in (REPO / "transformer").rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+      offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if "._src" in n]
+  assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------
+# Shared disk or not: the marker, NFS's late view, config.shared_workdir
+# ----------------------------------------------------------------------------
+
+# One of three JAX processes on localhost: workdirs_shared in each case, the
+# answers (or MixedWorkdirs' message) printed as JSON on the last line.
+SHARED_DISK_CASES = """
+import json, os, sys
+from transformer.runtime import multihost, parallel
+pid, port, root = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+parallel.maybe_initialize_distributed(f"127.0.0.1:{port}", 3, pid, initialization_timeout=60)
+shared, own = f"{root}/shared", f"{root}/own_{pid}"
+os.makedirs(shared, exist_ok=True)
+os.makedirs(own, exist_ok=True)
+looks, sees = [], multihost._sees
+def stale_for_process_1(path):   # NFS's cache: process 1 misses the first marker
+  looks.append(path)
+  return sees(path) and not (pid == 1 and len(looks) == 1)
+results = {}
+for case, workdir, kwargs in [
+    ("shared", shared, {}), ("separate", own, {}), ("stale", shared, {}),
+    ("mixed", shared if pid < 2 else own, {}),
+    ("declared_no", shared, {"declared": "no"}), ("declared_yes", own, {"declared": "yes"})]:
+  multihost._sees = stale_for_process_1 if case == "stale" else sees
+  try:
+    results[case] = multihost.workdirs_shared(workdir, pause_seconds=0.05, **kwargs)
+  except multihost.MixedWorkdirs as e:
+    results[case] = str(e)
+results["stale_looks"] = len(looks)
+print(json.dumps(results))
+parallel.shutdown_distributed()
+"""
+
+
+def test_shared_disk_detection_retries_and_can_be_declared(tmp_path):
+  """Three processes on localhost: one workdir is shared at the first look;
+  a workdir each is separate; a process whose first look misses the marker
+  (NFS attribute caching, faked) still finds the disk shared, at its second
+  look (before: "separate", and the processes would have written the same
+  checkpoint files each on its own); two processes sharing a workdir and a
+  third with its own is refused, naming config.shared_workdir; declared
+  "no" / "yes", the answer is taken as it is."""
+  port = free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
+  outputs = run_together([[sys.executable, "-c", SHARED_DISK_CASES, str(pid), str(port),
+                           str(tmp_path)] for pid in range(3)], env, TIMEOUT_S)
+  results = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+  for pid, result in enumerate(results):
+    mixed = result.pop("mixed")
+    assert result == {"shared": True, "separate": False, "stale": True,
+                      "declared_no": False, "declared_yes": True,
+                      "stale_looks": 2}, (pid, result)
+    assert mixed.startswith("Processes [0, 1] saw process 0's marker file in the workdir "
+                            "and the others did not, in 3 tries"), mixed
+    assert "--config.shared_workdir=yes (or =no for a workdir each)" in mixed
+  assert not list((tmp_path / "shared").iterdir())       # every marker removed
 
 
 # ----------------------------------------------------------------------------

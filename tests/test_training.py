@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import struct
@@ -383,6 +384,7 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
 def test_bad_configs_fail_before_training(tmp_path):
   for overrides, match in [({"num_train_steps": 0}, "num_train_steps"),
                            ({"batch_size": 0}, "batch_size"),
+                           ({"average_last": 4}, "average_last=4 .*keep_checkpoints=3"),
                            ({"model.bogus": 1}, "bogus")]:
     config = train_worker.tiny_config()
     if "model.bogus" in overrides:
@@ -401,6 +403,63 @@ def test_the_finetune_recipe_names_init_from_when_it_is_missing():
     run_setup.check_train_config(config)
   config.init_from = "runs/base"
   run_setup.check_train_config(config)
+
+
+def test_average_last_beyond_keep_checkpoints_is_one_sentence_naming_both():
+  """Averaging more checkpoints than are kept would silently average fewer."""
+  config = train_worker.tiny_config({"keep_checkpoints": 3, "average_last": 5})
+  with pytest.raises(ValueError) as error:
+    run_setup.check_train_config(config)
+  message = str(error.value)
+  assert "config.average_last=5" in message and "config.keep_checkpoints=3" in message
+  assert message.endswith(".") and message.count(". ") == 0   # one sentence
+  assert "--config.keep_checkpoints=5" in message            # the way out
+  for average_last in (0, 1, 3):                              # as many as kept, or none
+    run_setup.check_train_config(train_worker.tiny_config(
+        {"keep_checkpoints": 3, "average_last": average_last}))
+  with pytest.raises(ValueError, match="config.keep_checkpoints=0 must be >= 1"):
+    run_setup.check_train_config(train_worker.tiny_config(
+        {"keep_checkpoints": 0, "average_last": 0}))
+
+
+def test_the_vocabulary_honours_vocab_max_sentences_over_the_whole_corpus_on_every_core(
+    tmp_path, monkeypatch, caplog):
+  """What reaches SentencePiece: vocab_max_sentences sentences (source, target
+  of each pair), from pairs evenly spaced from the corpus's first to its last,
+  even where train_tokenizer's own default limit is smaller (it once cut the
+  sample to its first half), trained with a thread per available core."""
+  import sentencepiece as spm
+  num_pairs, max_sentences = 1000, 600
+  pairs = [(f"a{i} b", f"c d{i}") for i in range(num_pairs)]
+  seen = {}
+  real_train = spm.SentencePieceTrainer.train
+
+  def spy(**kwargs):
+    seen["sentences"] = list(kwargs.pop("sentence_iterator"))
+    seen["num_threads"] = kwargs["num_threads"]
+    return real_train(sentence_iterator=iter(seen["sentences"]), **kwargs)
+
+  monkeypatch.setattr(spm.SentencePieceTrainer, "train", spy)
+  monkeypatch.setitem(tokenizer_lib.train_tokenizer.__kwdefaults__, "max_sentences", 100)
+  config = train_worker.tiny_config({"vocab_size": 40})
+  config.vocab_max_sentences = max_sentences
+  with caplog.at_level(logging.INFO, logger="transformer"):
+    tokenizer = run_setup.get_tokenizer(config, str(tmp_path), pairs)
+
+  sentences = seen["sentences"]
+  assert len(sentences) == max_sentences
+  sources, targets = sentences[0::2], sentences[1::2]
+  index = [int(s.split()[0][1:]) for s in sources]
+  assert targets == [f"c d{i}" for i in index]           # each pair's source, then its target
+  assert index[0] == 0 and index[-1] == num_pairs - 1     # the whole corpus, both ends
+  gaps = set(np.diff(index).tolist())                     # evenly: 999 / 299 = 3.34
+  assert gaps <= {3, 4}, gaps
+  assert seen["num_threads"] == len(os.sched_getaffinity(0))
+  assert tokenizer.encode("a7 b") and (tmp_path / "vocab.model").exists()
+  assert (f"on {max_sentences} sentences ({max_sentences // 2} of the {num_pairs} training "
+          "pairs, evenly spaced" in caplog.text)
+  assert re.search(rf"Trained the vocabulary \(\d+ pieces\) on {max_sentences} sentences "
+                   r"in \d+\.\d s", caplog.text), caplog.text
 
 
 def test_a_held_workdir_stops_a_second_run_before_it_writes(tmp_path):
@@ -575,6 +634,47 @@ def test_two_processes_match_a_single_process_replay(tmp_path):
   np.testing.assert_allclose(logged[0]["loss"], mean_loss, rtol=1e-5)
 
 
+# Two processes: each evaluates the loss of its share of the pairs (33 pairs in
+# batches of 8 rows per process: shares of 16 and 17, so process 0 needs an
+# empty third batch to match process 1's three).
+SPLIT_EVAL = {"num_eval_examples": 33, "eval_batch_size": 8}
+SPLIT_EVAL_WORKER = """
+import json, sys
+sys.path.insert(0, sys.argv[4])
+from transformer.runtime import parallel
+pid, port = int(sys.argv[1]), int(sys.argv[2])
+parallel.maybe_initialize_distributed(f"127.0.0.1:{port}", 2, pid, num_cpu_devices=1,
+                                      initialization_timeout=60)
+import train_worker
+print(json.dumps(train_worker.eval_loss_sums(sys.argv[3], json.loads(sys.argv[5]))))
+parallel.shutdown_distributed()
+"""
+
+
+def test_two_processes_split_the_eval_loss_and_match_one_process(tokenizer, tmp_path):
+  """Each pair's loss is computed once over two processes (the summed target
+  tokens and correct predictions are exactly one process's: computed on both,
+  they would double), and the loss and NLL sums are one process's up to float
+  summation order."""
+  port = free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  outputs = run_together([[sys.executable, "-c", SPLIT_EVAL_WORKER, str(pid), str(port),
+                           tokenizer.model_path, str(REPO / "tests"), json.dumps(SPLIT_EVAL)]
+                          for pid in range(2)], env, TIMEOUT_S)
+  split = [json.loads(output.strip().splitlines()[-1]) for output in outputs]
+  assert split[0] == split[1]
+  with jax.default_matmul_precision("highest"):
+    alone = train_worker.eval_loss_sums(tokenizer.model_path, SPLIT_EVAL)
+  pairs = data_sources.load_split(train_worker.tiny_config(SPLIT_EVAL).data, "eval")[:33]
+  tokens = sum(min(len(tokenizer.encode(t)) + 1, train_worker.TINY_OVERRIDES["max_length"])
+               for _, t in pairs)                       # (targets with EOS, truncated)
+  assert alone["weight"] == tokens
+  assert split[0]["weight"] == alone["weight"] and split[0]["correct"] == alone["correct"]
+  for name in ("loss", "nll"):
+    np.testing.assert_allclose(split[0][name], alone[name], rtol=1e-6, err_msg=name)
+
+
 # ----------------------------------------------------------------------------
 # 6. Exact resume; SIGKILL
 # ----------------------------------------------------------------------------
@@ -687,6 +787,144 @@ def test_killed_anywhere_resumes_exactly_soak(seed, tmp_path, reference_run, com
   report = soak(tmp_path, phases, seed=seed, cache=compilation_cache)
   print("\n".join(report))
   assert_same_as_reference(tmp_path, ref_dir)
+
+
+# Preemption: a notice (JAX's multi-host preemption sync, faked) or a real
+# SIGTERM to train.py: save, stop (train.py: exit status 143), resume exactly.
+
+TRAIN_LOSSES = ("loss", "nll", "accuracy")
+
+
+def train_losses(workdir) -> dict[int, tuple]:
+  """{step: (loss, nll, accuracy)} of the train records of metrics.jsonl (one per step)."""
+  records = [r for r in read_metrics(workdir) if r["split"] == "train"]
+  losses = {r["step"]: tuple(r[k] for k in TRAIN_LOSSES) for r in records}
+  assert len(losses) == len(records), "a step logged twice"
+  return losses
+
+
+def test_a_preemption_notice_saves_stops_and_resumes_exactly(tmp_path, reference_run,
+                                                             compilation_cache, monkeypatch):
+  """The notice that JAX's preemption service gives every process of a
+  multi-host run at the same step (faked at step 10, through the public
+  multihost_utils.reached_preemption_sync_point that orbax reads too): the
+  run saves step 10 and stops there; run again, it ends with the
+  uninterrupted reference's state, data position, averaged parameters,
+  losses and evaluation, bit for bit."""
+  from jax.experimental import multihost_utils
+  from transformer.runtime import preemption
+  ref_dir, ref_result = reference_run
+  asked = []
+
+  def notice_at_10(step):
+    asked.append(step)
+    return step == 10
+
+  monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", notice_at_10)
+  with pytest.raises(preemption.Preempted) as stopped:
+    train(tmp_path, REF)
+  assert str(stopped.value) == (
+      f"preempted (a preemption notice) at step 10: saved checkpoint 10 in "
+      f"{tmp_path}/checkpoints; run the same command again to resume from it")
+  assert max(asked) == 10 and set(range(1, 11)) <= set(asked)   # asked every step, none after
+  assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
+  assert not (tmp_path / "checkpoints_averaged").exists()        # stopped before the end
+  monkeypatch.undo()
+
+  resumed = train(tmp_path, REF)
+  assert resumed.step == REF_STEPS
+  state, data_state = load_state(tmp_path, REF)
+  ref_state, ref_data_state = load_state(ref_dir, REF)
+  assert_trees_equal(state, ref_state)     # params, Adam moments, count, RNG: bitwise
+  assert data_state == ref_data_state
+  assert_trees_equal(load_params(tmp_path, "averaged"), load_params(ref_dir, "averaged"))
+  assert train_losses(tmp_path) == train_losses(ref_dir)        # steps 5, 10 | 15, 20, 24
+  assert list(train_losses(tmp_path)) == [5, 10, 15, 20, 24]
+  assert resumed.eval == ref_result.eval
+
+
+def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compilation_cache):
+  """A real SIGTERM, sent to `python train.py` once it trains: it saves the
+  step it is at, says so and exits with 128 + SIGTERM; the same command
+  (trained on a few steps further) ends like a run never stopped: state,
+  data position, every step's loss and the evaluation, bit for bit."""
+  overrides = {"log_every": 1, "adam_eps": COMPARABLE_ADAM_EPS}
+  workdir = tmp_path / "run"
+  env = subprocess_env(compilation_cache)
+
+  def command(num_train_steps):
+    values = dict(train_worker.TINY_OVERRIDES, **overrides, num_train_steps=num_train_steps)
+    return [sys.executable, "train.py", f"--workdir={workdir}", "--quiet",
+            *[f"--config.{k}={v}" for k, v in values.items()]]
+
+  proc = subprocess.Popen(command(100_000), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
+      assert proc.poll() is None, proc.communicate()
+      assert time.monotonic() < deadline, "train.py did not start training"
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)                     # training: step 1 is logged
+    out, err = proc.communicate(timeout=TIMEOUT_S)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 143, err[-3000:]
+  (saved,) = checkpoints.checkpoint_steps(workdir)
+  assert f"preempted (SIGTERM) at step {saved}: saved checkpoint {saved} in " in err
+  assert list(train_losses(workdir)) == list(range(1, saved + 1))  # logged up to the save
+  assert "run stopped: preempted (SIGTERM)" in (workdir / "train.log").read_text()
+
+  end = saved + 3
+  run_checked(command(end), env, TIMEOUT_S)
+  reference = train(tmp_path / "reference", dict(overrides, num_train_steps=end))
+  state, data_state = load_state(workdir, overrides)
+  ref_state, ref_data_state = load_state(tmp_path / "reference", overrides)
+  assert int(state["step"]) == end
+  assert_trees_equal(state, ref_state)
+  assert data_state == ref_data_state
+  assert train_losses(workdir) == train_losses(tmp_path / "reference")
+  evals = [r for r in read_metrics(workdir) if r["split"] == "eval"]
+  assert [r["loss"] for r in evals] == [reference.eval["loss"]]
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
+  """Several processes: JAX's preemption service (started by
+  jax.distributed.initialize) catches a SIGTERM sent to process 1 alone and
+  has both processes save the same step together, then stop with 143."""
+  workdir, port = tmp_path / "workdir", free_port()
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
+                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  overrides = {"num_train_steps": 100_000, "log_every": 1}
+  outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
+  procs = [subprocess.Popen(
+      [sys.executable, str(WORKER), f"--workdir={workdir}", f"--overrides={json.dumps(overrides)}",
+       "--num_processes=2", f"--process_id={pid}", f"--port={port}", "--num_cpu_devices=1",
+       f"--out={outs[pid]}"], env=env, cwd=REPO, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True) for pid in range(2)]
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
+      assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+      assert time.monotonic() < deadline, "the processes did not start training"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [143, 143], [log[-3000:] for log in logs]
+  results = [json.loads(o.read_text()) for o in outs]
+  (saved,) = checkpoints.checkpoint_steps(workdir)
+  assert results == [{"preempted_at": saved, "reason": "a preemption notice"}] * 2
+  data_dir = workdir / "checkpoints" / str(saved) / "data_state"
+  assert sorted(p.name for p in data_dir.glob("*.json")) == [
+      "process_0-of-2.json", "process_1-of-2.json"]
+  assert list(train_losses(workdir)) == list(range(1, saved + 1))
 
 
 # ----------------------------------------------------------------------------

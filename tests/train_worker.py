@@ -10,6 +10,8 @@ devices, or with several processes, need a process of their own. The worker
 writes the `TrainResult` (step, train/eval summaries) as JSON to --out; the
 tests read the params from the workdir's checkpoint. With --kill it SIGKILLs
 itself in the middle of a phase of the run (`arm_kill`), for the soak test.
+Stopped by a preemption notice, it writes {"preempted_at": step, "reason"}
+and exits with status 143, as train.py does.
 
 Importing this module does not import JAX.
 """
@@ -76,6 +78,27 @@ def config_file_text(overrides: dict[str, Any] | None = None) -> str:
       "  config = default.get_config()\n"
       f"  config.update_from_flattened_dict({merged!r})\n"
       "  return config\n")
+
+
+def eval_loss_sums(vocab_path: str, overrides: dict[str, Any]) -> dict[str, float]:
+  """`Evaluator.loss_sums` of the tiny model at its initial parameters (seed
+  0) on the validation pairs of tiny_config(overrides), with the vocabulary
+  at `vocab_path`, over this process's devices (and with several processes,
+  all of theirs): the split evaluation's test compares one process with two."""
+  import jax
+  from transformer.data import sources
+  from transformer.data import tokenizer as tokenizer_lib
+  from transformer.model.transformer import init_params
+  from transformer.runtime import parallel
+  from transformer.training import evaluation, run_setup
+  config = tiny_config(overrides)
+  tokenizer = tokenizer_lib.load_tokenizer(vocab_path)
+  model_config = run_setup.model_config_from(config, tokenizer.vocab_size)
+  params = init_params(model_config, jax.random.key(0))
+  evaluator = evaluation.Evaluator(config, model_config, tokenizer,
+                                   sources.load_split(config.data, "eval"),
+                                   parallel.make_mesh(), writer=None)
+  return evaluator.loss_sums(params)
 
 
 KILL_PHASES = ("step", "save", "eval", "average")
@@ -170,8 +193,15 @@ def main() -> None:
   from transformer.training import loop as training
   if args.kill:
     arm_kill(**json.loads(args.kill))
+  from transformer.runtime import preemption
   config = tiny_config(json.loads(args.overrides))
-  result = training.train_and_evaluate(config, args.workdir, quiet=True)
+  try:
+    result = training.train_and_evaluate(config, args.workdir, quiet=True)
+  except preemption.Preempted as e:   # (as train.py: the step saved, then 143)
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump({"preempted_at": e.step, "reason": e.reason}, f)
+    sys.exit(preemption.PREEMPTED_EXIT_STATUS)
   out = {"step": result.step, "train": result.train, "eval": result.eval,
          "process_index": jax.process_index(), "process_count": jax.process_count(),
          "device_count": jax.device_count(), "local_device_count": jax.local_device_count()}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -36,6 +37,15 @@ UNK_ID = 3
 
 # Enough sentences for a good vocabulary; SentencePiece itself samples 1M.
 DEFAULT_MAX_SENTENCES = 1_000_000
+
+
+def available_cores() -> int:
+  """The CPU cores this process may run on (its affinity mask where the OS has
+  one, e.g. a Slurm or container limit; else all of the machine's)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # (macOS, Windows)
+    return os.cpu_count() or 1
 
 
 class Tokenizer:
@@ -156,9 +166,12 @@ def train_tokenizer(
       usual choice for CJK).
     model_type: "unigram" (default), "bpe", "char" or "word".
     max_sentences: at most this many sentences are read from `sentences`.
-    num_threads: SentencePiece trainer threads. 1 (default) makes training
-      bit-for-bit deterministic for a given corpus; more threads are faster on
-      big corpora but may change the vocabulary slightly between runs.
+    num_threads: SentencePiece trainer threads (`available_cores()` for all).
+      Training is deterministic for a given corpus and thread count. BPE
+      learns the same pieces whatever the count; unigram's expectation sums
+      are split over the threads, so with another count its piece scores
+      differ in the last float bits (~1e-6) and pieces of near-equal score
+      may swap ids.
 
   Returns:
     The trained Tokenizer (PAD=0, EOS=1, BOS=2, UNK=3).

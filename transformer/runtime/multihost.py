@@ -20,12 +20,16 @@ host's local disk; each process may also be given a different --workdir).
 
 Either way metrics.jsonl, TensorBoard and curves.png are process 0's, and
 every process writes its own train log. A mix (some processes see process
-0's workdir, others do not) is refused with advice.
+0's workdir, others do not) is refused with advice. A network disk slow to
+show a new file is asked again (config.shared_workdir="auto"), or declared
+("yes" / "no").
 
 Start-up. `cluster_detected()` says whether this process is one of several
 of a cluster that `jax.distributed.initialize()` configures by itself (a
 Slurm job step of several tasks, an Open MPI job, a Cloud TPU pod slice),
-without starting anything; train.py then initializes with no flags.
+without starting anything; train.py then initializes with no flags. It reads
+what the launchers document (Slurm's and Open MPI's environment variables,
+GKE's TPU variables, a TPU VM's devices), not JAX's private cluster classes.
 
 Work split over processes. `split_across_processes(fn, items)`: each process
 applies `fn` to its contiguous share of `items` (`process_share`), and every
@@ -36,9 +40,12 @@ Imports nothing from `transformer` but `text_io` (a leaf).
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import logging
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -50,9 +57,9 @@ from transformer.runtime import parallel
 
 logger = logging.getLogger(__name__)
 
-# The clusters train.py lets `jax.distributed.initialize()` detect (the
-# names of jax._src.clusters' environments): Slurm, Open MPI, Cloud TPU.
-AUTO_DETECTED_CLUSTERS = ("slurm", "ompi", "gcetpu", "gketpu")
+# The clusters train.py lets `jax.distributed.initialize()` detect
+# (`cluster_detected`): Slurm, Open MPI, Cloud TPU on GKE, a Cloud TPU VM.
+AUTO_DETECTED_CLUSTERS = ("slurm", "ompi", "gketpu", "tpuvm")
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _MARKER_PREFIX = ".workdir_check-"
@@ -95,27 +102,53 @@ def write_file(path: str | os.PathLike, content: bytes | str) -> None:
 # ----------------------------------------------------------------------------
 
 
-def cluster_detected() -> tuple[str, int] | None:
-  """(cluster name, number of processes) when this process runs in one of
-  AUTO_DETECTED_CLUSTERS with more than one process, as JAX's own detection
-  (`jax._src.clusters`, what `jax.distributed.initialize()` with no
-  arguments uses) sees it; None otherwise (one process: a plain machine, a
-  Slurm job step of one task, a single-host TPU VM). Starts nothing, so it
-  may run before `jax.distributed.initialize`.
+def cluster_detected() -> tuple[str, int | None] | None:
+  """(cluster name, number of processes) when this process is one of several
+  that a launcher started and that `jax.distributed.initialize()` with no
+  arguments configures by itself; None otherwise (one process: a plain
+  machine, a Slurm job step of one task, an `sbatch` script outside `srun`).
+  Starts nothing, so it may run before `jax.distributed.initialize`. Read
+  from what each launcher documents, in the order JAX tries them:
+
+    ompi    `mpirun`: OMPI_MCA_orte_hnp_uri set; OMPI_COMM_WORLD_SIZE processes.
+    slurm   a job step (`srun`): SLURM_JOB_ID, SLURM_STEP_NODELIST,
+            SLURM_PROCID and SLURM_LOCALID set; SLURM_NTASKS processes.
+    gketpu  a TPU slice on GKE (a TPU machine, `_on_a_tpu_vm`, with
+            TPU_WORKER_HOSTNAMES or TPU_PROCESS_ADDRESSES set): one process
+            per host named, times MEGASCALE_NUM_SLICES.
+    tpuvm   another Cloud TPU VM: its hosts are listed only in the VM's
+            metadata, which JAX reads, so the count is None; on a
+            single-host VM JAX starts a runtime of one process.
+
+  A variable that is set but not a number (a half-set environment) gives
+  None, logged at debug level.
   """
-  from jax._src import clusters
-  wanted = [env for env in clusters.ClusterEnv._cluster_types
-            if env.name in AUTO_DETECTED_CLUSTERS and not env.opt_in_only_method]
-  for env in wanted:
-    try:
-      if not env.is_env_present():
-        continue
-      count = int(env.get_process_count())
-    except Exception as e:  # (a half-set environment: not ours to start)
-      logger.debug("Cluster detection (%s) failed: %s", env.name, e)
+  env = os.environ
+  try:
+    if "OMPI_MCA_orte_hnp_uri" in env:
+      found = ("ompi", int(env["OMPI_COMM_WORLD_SIZE"]))
+    elif all(name in env for name in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS",
+                                      "SLURM_PROCID", "SLURM_LOCALID")):
+      found = ("slurm", int(env["SLURM_NTASKS"]))
+    elif not _on_a_tpu_vm():
       return None
-    return (env.name, count) if count > 1 else None
-  return None
+    elif env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES"):
+      hosts = (env.get("TPU_PROCESS_ADDRESSES") or env["TPU_WORKER_HOSTNAMES"]).split(",")
+      found = ("gketpu", len(hosts) * int(env.get("MEGASCALE_NUM_SLICES") or 1))
+    else:
+      return ("tpuvm", None)
+  except (KeyError, ValueError) as e:  # (a half-set environment: not ours to start)
+    logger.debug("Cluster detection failed: %r", e)
+    return None
+  return found if found[1] > 1 else None
+
+
+def _on_a_tpu_vm() -> bool:
+  """Whether this machine is a Cloud TPU VM: libtpu installed and TPU chips
+  attached (/dev/accel* up to v4, /dev/vfio/<n> from v5)."""
+  if importlib.util.find_spec("libtpu") is None:
+    return False
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 # ----------------------------------------------------------------------------
@@ -137,26 +170,75 @@ def start_processes(coordinator_address: str | None, num_processes: int | None,
   that is missing."""
   cluster = cluster_detected() if num_processes != 1 else None
   if cluster:
-    logger.info("A %s job of %d processes: starting JAX's distributed runtime with what it "
-                "detects (--num_processes=1 runs this process alone).", *cluster)
+    name, count = cluster
+    logger.info("%s: starting JAX's distributed runtime with what it detects "
+                "(--num_processes=1 runs this process alone).",
+                f"A {name} job of {count} processes" if count else "A Cloud TPU VM")
   parallel.maybe_initialize_distributed(coordinator_address, num_processes, process_id,
                                         num_cpu_devices=num_cpu_devices,
                                         auto_detect=cluster is not None)
 
 
-def workdirs_shared(workdir: str | os.PathLike) -> bool:
+SHARED_WORKDIR_CHOICES = ("auto", "yes", "no")
+
+
+def workdirs_shared(workdir: str | os.PathLike, declared: str = "auto", *, tries: int = 3,
+                    pause_seconds: float = 0.5) -> bool:
   """Whether every process sees the same `workdir` as process 0 (True) or
   each has its own (False). True for a single process.
 
-  Process 0 writes a marker with a random name in its workdir, sends the name
-  to the others and each looks for it in its own workdir (which must exist);
-  process 0 then removes it. Raises MixedWorkdirs when some see it and some
-  do not.
+  `declared` ("yes" / "no", config.shared_workdir) says so, and nothing is
+  checked. "auto" finds out: process 0 writes a marker with a random name in
+  its workdir, sends the name to the others and each looks for it in its own
+  workdir (which must exist); process 0 then removes it. Every process seeing
+  it means shared at once. A network file system may not show a new file to
+  another host at once (NFS caches attributes and failed lookups for up to a
+  minute), so an answer short of that is asked `tries` times, each with a
+  fresh name (a failed lookup is cached by name), after a pause that grows
+  (`pause_seconds`, twice that, ...) and a barrier (the next name's
+  broadcast). No other process ever seeing a marker means separate. Raises
+  MixedWorkdirs, naming the option, when some processes see one and others
+  do not (a mix of disks, or a disk too slow to tell).
   """
+  if declared not in SHARED_WORKDIR_CHOICES:
+    raise ValueError(f"config.shared_workdir={declared!r} must be one of "
+                     f"{SHARED_WORKDIR_CHOICES}.")
   if jax.process_count() == 1:
     return True
-  from jax.experimental import multihost_utils
+  if declared != "auto":
+    logger.info("config.shared_workdir=%s: the processes %s one workdir (not checked).",
+                declared, "share" if declared == "yes" else "do not share")
+    return declared == "yes"
   workdir = resolve(workdir)
+  ever_seen = np.zeros(jax.process_count(), bool)
+  for attempt in range(tries):
+    if attempt:
+      time.sleep(pause_seconds * attempt)
+    seen_by = _marker_seen_by(workdir)
+    if seen_by.all():
+      if attempt:
+        logger.info("Every process sees %s (after %d tries): one shared workdir.",
+                    workdir, attempt + 1)
+      return True
+    ever_seen |= seen_by
+  if not ever_seen[1:].any():
+    logger.info("Every process has a workdir of its own (%s here): each keeps its own "
+                "vocabulary, configs and checkpoints.", workdir)
+    return False
+  sharing = [int(i) for i in np.flatnonzero(ever_seen)]
+  raise MixedWorkdirs(
+      f"Processes {sharing} saw process 0's marker file in the workdir and the others did "
+      f"not, in {tries} tries (this process: {workdir}). Give every process its own "
+      "workdir (e.g. --workdir=/local/disk/run_<process id>) or all of them one on a shared "
+      "disk; if they do share it and the disk is slow to show new files (NFS attribute "
+      "caching), say so with --config.shared_workdir=yes (or =no for a workdir each).")
+
+
+def _marker_seen_by(workdir: epath.Path) -> np.ndarray:
+  """One look: process 0 writes a marker of a fresh random name in its
+  workdir, every process looks for it in its own (`_sees`), process 0
+  removes it. [process_count] bools, the same on every process."""
+  from jax.experimental import multihost_utils
   token = np.zeros(17, np.uint8)   # 16 random bytes, then 1 if the marker was written
   marker, error = None, None
   if jax.process_index() == 0:
@@ -172,24 +254,19 @@ def workdirs_shared(workdir: str | os.PathLike) -> bool:
     raise error
   if not token[16]:
     raise RuntimeError("Process 0 could not write in its workdir; see its error.")
-  seen = (workdir / (_MARKER_PREFIX + bytes(token[:16]).hex())).exists()
+  seen = _sees(workdir / (_MARKER_PREFIX + bytes(token[:16]).hex()))
   seen_by = np.asarray(multihost_utils.process_allgather(np.int32(seen))).reshape(-1)
   if marker is not None:
     try:
       marker.unlink()
     except OSError:
       pass
-  if seen_by.all():
-    return True
-  if not seen_by[1:].any():
-    logger.info("Every process has a workdir of its own (%s here): each keeps its own "
-                "vocabulary, configs and checkpoints.", workdir)
-    return False
-  sharing = [int(i) for i in np.flatnonzero(seen_by)]
-  raise MixedWorkdirs(
-      f"Processes {sharing} see the same workdir as process 0 and the others do not "
-      f"(this process: {workdir}). Give every process its own workdir (e.g. "
-      "--workdir=/local/disk/run_<process id>), or all of them one on a shared disk.")
+  return seen_by.astype(bool)
+
+
+def _sees(path: epath.Path) -> bool:
+  """Whether this process sees the file `path` (a test fakes a stale cache here)."""
+  return path.exists()
 
 
 # ----------------------------------------------------------------------------

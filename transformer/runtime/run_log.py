@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from transformer.runtime import multihost
+from transformer.runtime import multihost, preemption
 from transformer.runtime.workdir import LOG_FILE
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ def run_log(workdir: str):
     handler.note(logging.INFO, "run finished")
   except KeyboardInterrupt:
     handler.note(logging.WARNING, "run interrupted (KeyboardInterrupt)")
+    raise
+  except preemption.Preempted as e:
+    handler.note(logging.WARNING, f"run stopped: {e}")
     raise
   except BaseException as e:
     handler.note(logging.ERROR, f"run stopped by {type(e).__name__}: {e}",

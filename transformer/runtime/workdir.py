@@ -72,7 +72,8 @@ CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
 # an uninterrupted one: how long to train (num_train_steps; the learning rate
 # does not depend on it), what is measured and logged, and when and how many
 # checkpoints are kept and averaged; data.tfds_data_dir says where TFDS keeps
-# its prepared files, not which data. Every other field must match
+# its prepared files, not which data; shared_workdir, whether the processes
+# share the workdir (found out anew at every start when "auto"). Every other field must match
 # (`check_config`): model.* (the parameters' shapes and what they compute),
 # data.* and vocab_* (which sentences, which pieces), batch_size, max_length,
 # pack, grad_accum_steps and seed (which batches in which order: the data
@@ -85,7 +86,7 @@ RESUMABLE_FIELDS = (
     "log_every", "eval_every", "eval_batch_size", "num_eval_examples",
     "num_bleu_examples", "eval_decode_method", "eval_beam_size",
     "checkpoint_every", "keep_checkpoints", "average_last",
-    "data.tfds_data_dir", "state_sharding",
+    "data.tfds_data_dir", "state_sharding", "shared_workdir",
     "init_from",  # (read at step 0 only; a resumed run continues from its own checkpoint)
 )
 

@@ -1,13 +1,21 @@
 """Validation during and after training: the eval loss, accuracy and perplexity,
-and the translation scores (BLEU, chrF, ...) of the first validation pairs."""
+and the translation scores (BLEU, chrF, ...) of the first validation pairs.
+
+With several processes both are split: each process computes the loss sums of
+its contiguous share of the loss pairs (added over all processes by the
+jitted step) and translates its share of the BLEU pairs (gathered to every
+process, which scores them all), so each pair is seen once and the numbers are
+those of one process doing everything."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from transformer.data import pipeline as data
@@ -77,14 +85,28 @@ class Evaluator:
 
   def loss(self, params) -> dict[str, float]:
     """Per-token eval loss, NLL, accuracy and perplexity (`summarize_sums`)."""
+    return summarize_sums(self.loss_sums(params))
+
+  def loss_sums(self, params) -> dict[str, float]:
+    """The eval step's sums (loss, nll, correct, weight = target tokens) over
+    the loss pairs, each counted once. Each process feeds its contiguous share
+    (`multihost.process_share`) in batches of config.eval_batch_size rows
+    (a global batch holds that many rows of each process), all processes the
+    same number of batches: a share that runs out first is topped up with
+    empty batches (all padding: zero weight, nothing added)."""
+    pairs = self.loss_pairs
+    batch_size, max_length = self.config.eval_batch_size, self.config.max_length
+    num_batches = math.ceil(math.ceil(len(pairs) / jax.process_count()) / batch_size)
+    share = data.eval_batches(pairs[multihost.process_share(len(pairs))], self.tokenizer,
+                              batch_size=batch_size, max_length=max_length)
+    empty = {key: np.zeros((batch_size, max_length), np.int32) for key in data.BATCH_KEYS}
     sums = None
-    for batch in data.eval_batches(self.loss_pairs, self.tokenizer,
-                                   batch_size=self.config.eval_batch_size,
-                                   max_length=self.config.max_length):
-      batch.pop("weights")
+    for _ in range(num_batches):
+      batch = next(share, None) or empty
+      batch = {key: batch[key] for key in data.BATCH_KEYS}   # (not "weights")
       out = self._eval_fn(params, global_batch(batch, self._sharding))
       sums = out if sums is None else jax.tree_util.tree_map(jnp.add, sums, out)
-    return summarize_sums(sums)
+    return {key: float(value) for key, value in jax.device_get(sums).items()}
 
   def translation_scores(self, params) -> dict[str, float]:
     """BLEU, chrF, exact match ... (`metrics.translation_scores`) of the

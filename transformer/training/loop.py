@@ -31,7 +31,8 @@ import numpy as np
 from transformer.data import pipeline as data
 from transformer.data import sources as data_sources
 from transformer.model import attention_choice
-from transformer.runtime import averaging, checkpoints, multihost, parallel, run_lock, run_log
+from transformer.runtime import (averaging, checkpoints, multihost, parallel, preemption,
+                                 run_lock, run_log)
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import evaluation, report, run_monitor, run_setup
 from transformer.training import steps as steps_lib
@@ -94,7 +95,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   run_setup.check_train_config(config)
   path = multihost.resolve(workdir)  # a local path made absolute, or gs://... as it is
   path.mkdir(parents=True, exist_ok=True)
-  shared = multihost.workdirs_shared(path)
+  shared = multihost.workdirs_shared(path, config.get("shared_workdir", "auto"))
   if not shared and config.get("state_sharding", "replicated") == "fsdp":
     raise ValueError(
         f"config.state_sharding='fsdp' needs one workdir that every process sees (a shared"
@@ -158,13 +159,14 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   evaluate = evaluation.Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer,
                                   minutes=lambda: budget.spent() / 60)
   monitor = run_monitor.RunMonitor(config, model_config, tokenizer, train_pairs, budget)
-  state, step, train_summary = _train_steps(
-      state, start_step, config=config, workdir=workdir,
-      step_fn=steps_lib.jit_local_train_step(config, model_config, optimizer, schedule, mesh,
-                                             state_shardings),
-      train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer, monitor=monitor,
-      progress=metrics_lib.progress_bar(start_step, config.num_train_steps,
-                                        enabled=is_main and not quiet))
+  with preemption.PreemptionWatch() as watch:
+    state, step, train_summary = _train_steps(
+        state, start_step, config=config, workdir=workdir, watch=watch,
+        step_fn=steps_lib.jit_local_train_step(config, model_config, optimizer, schedule,
+                                               mesh, state_shardings),
+        train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer, monitor=monitor,
+        progress=metrics_lib.progress_bar(start_step, config.num_train_steps,
+                                          enabled=is_main and not quiet))
 
   final_params, averaged = _average_last_checkpoints(config, workdir, ckpt, state, mesh)
   eval_summary = evaluate(final_params, step, averaged=averaged)
@@ -235,7 +237,8 @@ def _resume(ckpt: checkpoints.Checkpointer, state: dict, train_iter, workdir: st
 def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train_iter,
                  ckpt: checkpoints.Checkpointer, evaluate: evaluation.Evaluator,
                  writer: metrics_lib.MetricsWriter, monitor: run_monitor.RunMonitor,
-                 progress) -> tuple[dict, int, dict]:
+                 progress, watch: preemption.PreemptionWatch | None = None,
+                 ) -> tuple[dict, int, dict]:
   """Trains from `step` to `config.num_train_steps`, or until the time budget
   (`monitor.budget`) leaves only what the end of the run needs: metrics every
   `log_every` steps (with MFU; the monitor's warnings printed), evaluation
@@ -246,7 +249,9 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
   Never loses work: interrupted (KeyboardInterrupt), it saves what was trained
   so far (if it is sane) before stopping; on any other error the caller's
   `ckpt.close()` lets a save in flight finish. A NaN/inf loss raises
-  TrainingDiverged without saving.
+  TrainingDiverged without saving. On a preemption notice (`watch`, asked
+  after every step; runtime/preemption.py) it skips that step's evaluation,
+  saves the step, waits for the checkpoint and raises preemption.Preempted.
   """
   train_summary: dict[str, float] = {}
   window, window_start, last_log_step = None, time.perf_counter(), step
@@ -278,9 +283,10 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
                        f"(config.train_minutes={budget.seconds / 60:g}); "
                        f"{budget.reserve_seconds():.0f} s kept to save, average and evaluate.")
       last = step == config.num_train_steps or monitor.stopped_by_time
+      preempted = watch is not None and watch.reached(step)
       window = metrics if window is None else jax.tree_util.tree_map(jnp.add, window, metrics)
       progress.update(1)
-      if step % config.log_every == 0 or last:
+      if step % config.log_every == 0 or last or preempted:
         window = jax.device_get(window)
         _check_finite(float(window["loss"]), step, ckpt, workdir)
         train_summary = _train_summary(window, metrics, time.perf_counter() - window_start,
@@ -295,13 +301,15 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
         for warning in monitor.after_log(step, train_summary):
           logger.warning("%s", warning)  # (the console and train.log)
         window, window_start, last_log_step = None, time.perf_counter(), step
-      if step % config.eval_every == 0 and not last:
+      if step % config.eval_every == 0 and not last and not preempted:
         progress.write(metrics_lib.format_eval(step, evaluate(state["params"], step)))
         budget.measured(eval_seconds=evaluate.seconds,
                         seconds_per_sentence=evaluate.seconds_per_sentence)
         window_start = time.perf_counter()
-      if ckpt.should_save(step) or last:
-        save(force=last)
+      if ckpt.should_save(step) or last or preempted:
+        save(force=last or preempted)
+      if preempted:
+        break
   except KeyboardInterrupt:
     if metrics is not None and step > (ckpt.latest_step() or 0):
       progress.write(f"Interrupted: saving a checkpoint at step {step} ...")
@@ -310,6 +318,10 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
   finally:
     progress.close()
   ckpt.wait()
+  if watch is not None and (watch.reason or watch.signalled):
+    # (Also SIGTERM during the last step's save: the steps are all saved, but the
+    # scheduler wants the machine now; the next run averages and evaluates.)
+    raise preemption.Preempted(step, ckpt.directory, watch.reason or "SIGTERM")
   return state, step, train_summary
 
 

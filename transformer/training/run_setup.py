@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import jax
 import ml_collections
@@ -50,6 +51,30 @@ def vocabulary_file(config) -> str:
   return ""
 
 
+def train_vocabulary(config, train_pairs, path: str) -> tokenizer_lib.Tokenizer:
+  """A SentencePiece vocabulary of config.vocab_size pieces trained on at most
+  config.vocab_max_sentences sentences (default 1,000,000): the source and
+  target of pairs evenly spaced over the whole training corpus
+  (`sources.sample_sentences`), on every core this process may use. Written
+  to `path` when it is local (the caller writes a gs://... one). Logs the
+  sample's size and the time taken."""
+  max_sentences = int(config.get("vocab_max_sentences", tokenizer_lib.DEFAULT_MAX_SENTENCES))
+  threads = tokenizer_lib.available_cores()
+  start = time.perf_counter()
+  sample = list(data_sources.sample_sentences(train_pairs, max_sentences))
+  logger.info("Training a SentencePiece vocabulary of %d pieces on %d sentences (%d of the "
+              "%d training pairs, evenly spaced; config.vocab_max_sentences=%d), %d threads "
+              "-> %s", config.vocab_size, len(sample), len(sample) // 2, len(train_pairs),
+              max_sentences, threads, path)
+  tokenizer = tokenizer_lib.train_tokenizer(
+      sample, path if multihost.is_local(path) else None, config.vocab_size,
+      model_type=config.get("vocab_model_type", "unigram"), max_sentences=len(sample),
+      num_threads=threads)
+  logger.info("Trained the vocabulary (%d pieces) on %d sentences in %.1f s.",
+              tokenizer.vocab_size, len(sample), time.perf_counter() - start)
+  return tokenizer
+
+
 def get_tokenizer(config, workdir: str, train_pairs, *,
                   shared: bool = True) -> tokenizer_lib.Tokenizer:
   """The vocabulary: config.vocab_path if set, else <workdir>/vocab.model,
@@ -71,12 +96,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
       elif epath.Path(path).exists():
         model = tokenizer_lib.load_tokenizer(path).serialized_model()
       else:
-        logger.info("Training a SentencePiece vocabulary of %d pieces -> %s",
-                    config.vocab_size, path)
-        model = tokenizer_lib.train_tokenizer(
-            data_sources.sample_sentences(train_pairs, config.get("vocab_max_sentences", 1_000_000)),
-            path if multihost.is_local(path) else None, config.vocab_size,
-            model_type=config.get("vocab_model_type", "unigram")).serialized_model()
+        model = train_vocabulary(config, train_pairs, path).serialized_model()
     except Exception as e:  # (the others wait for the vocabulary: send them nothing)
       if jax.process_count() == 1:
         raise
@@ -96,6 +116,8 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
 
 
 def check_train_config(config) -> None:
+  """Raises ValueError, naming the field and what to do, for a config that
+  cannot train: called before anything is read, written or compiled."""
   if config.get("require_init_from") and not config.get("init_from"):
     raise ValueError("config.init_from is empty: this config fine-tunes a pretrained model; "
                      "set --config.init_from=<the workdir of that model> (one train.py wrote, "
@@ -105,9 +127,17 @@ def check_train_config(config) -> None:
     raise ValueError(f"config.model has unknown field(s) {unknown}; valid fields are "
                      f"{sorted(f.name for f in dataclasses.fields(TransformerConfig))}.")
   for name in ("num_train_steps", "batch_size", "max_length", "grad_accum_steps",
-               "log_every", "eval_every", "checkpoint_every"):
+               "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
     if int(config[name]) < 1:
       raise ValueError(f"config.{name}={config[name]} must be >= 1.")
+  if int(config.average_last) > int(config.keep_checkpoints):
+    raise ValueError(
+        f"config.average_last={config.average_last} cannot average more checkpoints than "
+        f"config.keep_checkpoints={config.keep_checkpoints} keeps: set "
+        f"--config.keep_checkpoints={config.average_last} or lower --config.average_last.")
+  if config.get("shared_workdir", "auto") not in multihost.SHARED_WORKDIR_CHOICES:
+    raise ValueError(f"config.shared_workdir={config.shared_workdir!r} must be one of "
+                     f"{multihost.SHARED_WORKDIR_CHOICES} (auto: found out at the start).")
   if config.get("state_sharding", "replicated") not in parallel.STATE_SHARDINGS:
     raise ValueError(f"config.state_sharding={config.state_sharding!r} must be one of "
                      f"{parallel.STATE_SHARDINGS}.")
