@@ -35,9 +35,11 @@ def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None
   tokens, seconds (compiling apart), tokens/s of the decoding itself, the
   method, which `checkpoint` (its description), the devices if several, and
   how many attention `plots` were written (None: none asked for)."""
+  loaded = stats.get("decoders_loaded", 0)
   line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
           f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
           f"(compiling {stats['compile_seconds']:.1f} s; "
+          f"{f'{loaded} compiled decoders loaded; ' if loaded else ''}"
           f"{stats['tokens_per_second']:.1f} tokens/s decoding), {method}, {checkpoint}")
   if stats.get("devices", 1) > 1:
     line += f", on {stats['devices']} devices"

@@ -52,7 +52,7 @@ WINDOW_LINES = 20_000  # lines read, sorted and decoded together
 OUTPUT_FORMATS = ("text", "jsonl")
 # The Translator's counts and times, summed over the windows this process decodes.
 _COUNTS = ("sentences", "decoded", "truncated", "generated_tokens", "seconds",
-           "compile_seconds", "host_seconds")
+           "compile_seconds", "host_seconds", "decoders_loaded")
 
 
 class ResumeMismatch(ValueError):
@@ -119,7 +119,7 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
   Returns:
     {"lines": input lines, "resumed_at": lines found done, "sentences",
      "decoded", "truncated", "generated_tokens", "seconds", "compile_seconds",
-     "host_seconds", "devices", "tokens_per_second"}: this process's work in
+     "host_seconds", "decoders_loaded", "devices", "tokens_per_second"}: this process's work in
     this run (`output.summary_line` prints it).
   Raises:
     text_io.NotUtf8Error at a line that is not UTF-8, the lines before it

@@ -38,7 +38,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from transformer.data.tokenizer import Tokenizer
-from transformer.decoding import sampling
+from transformer.decoding import executable_cache, sampling
 from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
 from transformer.model.kv_cache import init_cache, reorder_cache
@@ -128,6 +128,7 @@ class Translator:
     self.overlap = True  # detokenize batch k - 1 while the device decodes batch k
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
+    self._decoders_loaded = 0  # of them, how many executable_cache loaded
     def logits_kernel(params):  # (split like the embedding it comes from, under fsdp)
       kernel = self.model.apply({"params": params}, method=Transformer.logits_kernel)
       if kernel is None or param_sharding == "replicated":
@@ -258,6 +259,7 @@ class Translator:
                   top_p=top_p, n_best=n_best, batch_size=batch_size,
                   batch_tokens=batch_tokens)
     start = time.perf_counter()
+    self._decoders_loaded = 0
     encoded, truncated = self._encode(sentences)
     copies = n_best if method == "sample" else 1  # one row per sample of an input
     empty = Hypothesis("", 0.0, 0.0, 0)
@@ -373,7 +375,12 @@ class Translator:
     seconds = 0.0
     if shape not in self._executables:  # compiled once per shape, timed apart
       compile_start = time.perf_counter()
-      self._executables[shape] = self._decode_fn(*shape).lower(*args).compile()
+      # (or loaded, compiled by an earlier process: executable_cache.py)
+      parts = {"model": self.config.to_dict(), "decoder": shape,
+               "arguments": executable_cache.describe(args)}
+      self._executables[shape], loaded = executable_cache.load_or_compile(
+          parts, lambda: self._decode_fn(*shape).lower(*args).compile())
+      self._decoders_loaded += loaded
       seconds = time.perf_counter() - compile_start
     seqs, scores = self._executables[shape](*args)
     return seqs, scores, seconds
@@ -386,6 +393,7 @@ class Translator:
     return {"sentences": sentences, "decoded": decoded, "truncated": truncated,
             "generated_tokens": generated, "seconds": seconds,
             "compile_seconds": compile_seconds, "host_seconds": host_seconds,
+            "decoders_loaded": self._decoders_loaded,
             "devices": len(self.mesh.devices.flat),
             "tokens_per_second": generated / max(seconds - compile_seconds, 1e-9)}
 

@@ -1,0 +1,167 @@
+"""Compiled decoders kept on disk, so that a second decode.py neither traces nor
+compiles them.
+
+JAX's persistent compilation cache (`runtime/compile_cache.py`) spares a new
+process XLA's compile of a decoder it compiled before, but not the tracing and
+lowering that come first: 1.3-1.6 s per batch shape for greedy search and
+1.3-3.7 s for beam search, against 0.3-0.9 s for the cache hit itself (the
+small-corpus model, 2-core CPU, 2026-11-25). A file of 1,000 lines needs 4
+shapes (`translator.length_buckets`). Here each compiled decoder is serialized
+(`jax.experimental.serialize_executable`) into
+`<compilation cache>/decoders/<key>.bin`, and a process that needs the same
+decoder loads it back in milliseconds.
+
+The key is a hash of everything the program depends on: this package's
+source (every `.py` file under `transformer/`), the jax and jaxlib versions,
+the backend and the devices (platform version, device kinds and ids, the
+process; on a CPU the host's instruction-set flags, since XLA compiles for the
+CPU it runs on), the jax settings that change a program (matmul precision,
+x64) and $XLA_FLAGS, and what the caller names: the model config, the shapes,
+dtypes and shardings of the arguments and the decoder's options. A change to
+any of them is a new key, so a stale decoder is never run.
+
+Only a decoder XLA compiled in this process is kept: one that JAX read back
+from its persistent compilation cache serializes without its compiled
+functions ("Function ... not found" when the loaded copy runs; jax 0.10.2,
+CPU), so on such a cache hit the decoder is compiled once more, the
+persistent cache bypassed, and that copy is kept (`_compile_fresh`).
+
+A file that does not load (another jaxlib, a truncated write) is removed and
+the decoder compiled as if there were none. The cache is off when the
+compilation cache is (`--compilation_cache=off`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import pickle
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jaxlib
+
+from transformer.data.text_io import write_atomically
+
+logger = logging.getLogger(__name__)
+
+_persistent_cache_hits = 0  # JAX's count of programs read from its compilation cache
+
+
+def _count_cache_hits(event: str, **kwargs) -> None:
+  global _persistent_cache_hits
+  if event == "/jax/compilation_cache/cache_hits":
+    _persistent_cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
+SUBDIRECTORY = "decoders"
+FORMAT = 1  # bump when what a file holds changes
+
+
+def directory() -> Path | None:
+  """Where compiled decoders are kept: `decoders/` in the compilation cache's
+  directory, or None when that cache is off."""
+  base = jax.config.jax_compilation_cache_dir
+  return Path(base) / SUBDIRECTORY if base else None
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+  """SHA-256 of every .py file of this package (names and bytes)."""
+  root = Path(__file__).resolve().parents[1]
+  digest = hashlib.sha256()
+  for path in sorted(root.rglob("*.py")):
+    digest.update(str(path.relative_to(root)).encode())
+    digest.update(path.read_bytes())
+  return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _host_cpu() -> str:
+  """The CPU XLA compiles for: its instruction-set flags where Linux says them."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+  except OSError:
+    flags = ""
+  return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+
+
+def key(parts: dict) -> str:
+  """The file name of the decoder that `parts` (the caller's description)
+  and this process's code, versions, devices and settings determine."""
+  devices = jax.local_devices()
+  backend = devices[0].client
+  everything = {
+      "format": FORMAT, "source": source_hash(), "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__, "platform": backend.platform,
+      "platform_version": backend.platform_version,
+      "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
+      "process": (jax.process_index(), jax.process_count()),
+      "cpu": _host_cpu() if backend.platform == "cpu" else "",
+      "settings": (str(jax.config.jax_default_matmul_precision),
+                   bool(jax.config.jax_enable_x64), os.environ.get("XLA_FLAGS", "")),
+      "parts": parts,
+  }
+  text = json.dumps(everything, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def describe(tree) -> str:
+  """The shapes, dtypes and shardings of a pytree of arguments (for `key`)."""
+  def leaf(x):
+    return (getattr(x, "shape", None), str(getattr(x, "dtype", type(x).__name__)),
+            str(getattr(x, "sharding", "")))
+  return str(jax.tree.map(leaf, tree))
+
+
+def _compile_fresh(compile_fn: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+  """compile_fn(), compiled by XLA here rather than read from JAX's persistent
+  compilation cache (which would not serialize whole: module docstring)."""
+  from jax.experimental.compilation_cache import compilation_cache
+  hits = _persistent_cache_hits
+  compiled = compile_fn()
+  if _persistent_cache_hits == hits:
+    return compiled
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # (JAX decides at a compile whether to use it)
+  try:
+    return compile_fn()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
+def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled]):
+  """(compiled decoder, whether it was loaded): the one stored under
+  `key(parts)` if there is one that loads, else `compile_fn()` (which must
+  lower and compile anew at each call), then stored."""
+  where = directory()
+  if where is None:
+    return compile_fn(), False
+  path = where / f"{key(parts)}.bin"
+  if path.exists():
+    try:
+      payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+      from jax.experimental import serialize_executable
+      return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), True
+    except Exception as e:  # (another jaxlib, a truncated file: compile instead)
+      logger.warning("Compiled decoder %s did not load (%s: %s); compiling it again.",
+                     path, type(e).__name__, e)
+      path.unlink(missing_ok=True)
+  compiled = _compile_fresh(compile_fn)
+  try:
+    from jax.experimental import serialize_executable
+    write_atomically(str(path), pickle.dumps(serialize_executable.serialize(compiled)))
+  except Exception as e:  # (a read-only or full disk: decode on, uncached)
+    logger.warning("Could not keep the compiled decoder in %s (%s: %s).", where,
+                   type(e).__name__, e)
+  return compiled, False
