@@ -216,6 +216,7 @@ def test_fsdp_splits_the_state_and_gathers_and_scatters_once_per_update():
   assert row["all-reduce"][0] == 0, row
 
 
+@pytest.mark.slow  # (20-40 s on 2 cores: `python -m pytest -m slow`)
 def test_accelerator_check_runs_on_cpu_and_every_row_passes():
   """benchmarks/accelerator_check.py --shapes=tiny, as a person would run it
   (a subprocess on CPU; fast XLA compiles, as the other subprocess tests use):

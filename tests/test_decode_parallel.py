@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from transformer.data import demo_task
 
@@ -47,6 +48,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # (20-40 s on 2 cores: `python -m pytest -m slow`)
 def test_fsdp_parameters_on_eight_devices_decode_as_replicated_ones():
   sentences = [s for s, _ in demo_task.demo_splits(1, num_train=40, num_eval=1,
                                                    num_test=1)["train"]] + [""]

@@ -342,6 +342,7 @@ def read_log(workdir: Path, pid: int) -> str:
   return (workdir / name).read_text()
 
 
+@pytest.mark.slow  # (20-40 s on 2 cores: `python -m pytest -m slow`)
 def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path,
                                                                         tmp_path_factory):
   cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"

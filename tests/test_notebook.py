@@ -74,6 +74,7 @@ def test_notebook_is_saved_without_outputs():
   assert all(c.cell_type == "code" for c in figures)
 
 
+@pytest.mark.slow  # (20-40 s on 2 cores: `python -m pytest -m slow`)
 def test_notebook_runs_top_to_bottom_and_draws(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   workdir = tmp_path / "tour"

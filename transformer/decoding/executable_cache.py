@@ -62,7 +62,7 @@ def _count_cache_hits(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_count_cache_hits)
 
 SUBDIRECTORY = "decoders"
-FORMAT = 1  # bump when what a file holds changes
+FORMAT = 2  # bump when what a file holds changes
 
 
 def directory() -> Path | None:
@@ -72,8 +72,7 @@ def directory() -> Path | None:
   return Path(base) / SUBDIRECTORY if base else None
 
 
-@functools.lru_cache(maxsize=1)
-def source_hash() -> str:
+def _hash_sources() -> str:
   """SHA-256 of every .py file of this package (names and bytes)."""
   root = Path(__file__).resolve().parents[1]
   digest = hashlib.sha256()
@@ -81,6 +80,15 @@ def source_hash() -> str:
     digest.update(str(path.relative_to(root)).encode())
     digest.update(path.read_bytes())
   return digest.hexdigest()
+
+
+# Read once, when the package is imported: the code this process runs, even
+# if its files are replaced while it runs (a reinstall, an edit).
+_SOURCE_HASH = _hash_sources()
+
+
+def source_hash() -> str:
+  return _SOURCE_HASH
 
 
 @functools.lru_cache(maxsize=1)
