@@ -1,0 +1,172 @@
+"""decode.py and CTranslate2 side by side on the same weights and cores.
+
+    python benchmarks/bench_vs_ctranslate2.py --workdir=runs/mine \
+        --input=../shared/corpora/gettext-en-fr/test.tsv --lines=1000
+
+The workdir's model is exported to CTranslate2 (float32 and int8, through
+transformer.interop.ctranslate2_export); the same input lines (the source
+column of a TSV, or a text file) are translated by
+
+  * this project's `Translator` in this process: decoding throughput, compile
+    time apart (a second pass over the input, so every shape is compiled);
+  * `decode.py` as a command (the whole command: start, load, compile or
+    compilation cache, decode, write), run twice, the second timed (the
+    compilation cache warm, as a user's second command finds it);
+  * CTranslate2's `Translator` (`intra_threads` = the cores, one batch at a
+    time), in this process for throughput and as a command for the wall time;
+
+greedy and beam 4, at each `--batch_sizes`. Printed: sentences/s of the
+decoding, the whole command's seconds, BLEU against the references (a TSV's
+target column) and the ratio to CTranslate2 float32. CTranslate2's length
+penalty differs from decode.py's GNMT penalty (its beam outputs can differ
+where the penalty decides); greedy outputs should be the same in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def read_input(path: Path, lines: int) -> tuple[list[str], list[str] | None]:
+  rows = path.read_text(encoding="utf-8").splitlines()[:lines]
+  if all("\t" in row for row in rows):
+    sources, references = zip(*(row.split("\t", 1) for row in rows))
+    return list(sources), list(references)
+  return rows, None
+
+
+def bleu(hypotheses, references) -> float:
+  import sacrebleu
+  return sacrebleu.corpus_bleu(hypotheses, [references]).score if references else float("nan")
+
+
+CT2_COMMAND = """
+import sys, time, ctranslate2, sentencepiece as spm
+model, src, out, batch, beam, threads, spm_in, spm_out = sys.argv[1:9]
+sp_in = spm.SentencePieceProcessor(model_file=spm_in)
+sp_out = spm.SentencePieceProcessor(model_file=spm_out)
+translator = ctranslate2.Translator(model, device="cpu", intra_threads=int(threads))
+lines = open(src, encoding="utf-8").read().splitlines()
+tokens = [sp_in.encode(line, out_type=str) for line in lines]
+results = translator.translate_batch(tokens, max_batch_size=int(batch), beam_size=int(beam),
+                                     max_decoding_length=256, min_decoding_length=0)
+with open(out, "w", encoding="utf-8") as f:
+  f.writelines(sp_out.decode(r.hypotheses[0]) + "\\n" for r in results)
+"""
+
+
+def spm_files(model_dir: Path) -> tuple[str, str]:
+  if (model_dir / "vocab.model").exists():
+    return str(model_dir / "vocab.model"), str(model_dir / "vocab.model")
+  return str(model_dir / "source.spm"), str(model_dir / "target.spm")
+
+
+def ct2_run(model_dir: Path, sources, batch: int, beam: int, threads: int):
+  """(sentences/s of translate_batch, hypotheses), in this process."""
+  import ctranslate2
+  import sentencepiece as spm
+  spm_in, spm_out = spm_files(model_dir)
+  sp_in, sp_out = (spm.SentencePieceProcessor(model_file=f) for f in (spm_in, spm_out))
+  translator = ctranslate2.Translator(str(model_dir), device="cpu", intra_threads=threads)
+  tokens = [sp_in.encode(line, out_type=str) for line in sources]
+  translator.translate_batch(tokens[:batch], max_batch_size=batch, beam_size=beam)  # warm
+  start = time.perf_counter()
+  results = translator.translate_batch(tokens, max_batch_size=batch, beam_size=beam,
+                                       max_decoding_length=256, min_decoding_length=0)
+  seconds = time.perf_counter() - start
+  return len(sources) / seconds, [sp_out.decode(r.hypotheses[0]) for r in results]
+
+
+def command_seconds(args: list[str]) -> float:
+  start = time.perf_counter()
+  subprocess.run(args, cwd=REPO, check=True, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
+  return time.perf_counter() - start
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--input", required=True, help="a TSV (source<TAB>reference) or text")
+  parser.add_argument("--lines", type=int, default=1000)
+  parser.add_argument("--batch_sizes", default="32,128")
+  parser.add_argument("--methods", default="greedy,beam")
+  parser.add_argument("--quantizations", default="float32,int8")
+  parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+  parser.add_argument("--commands", action="store_true",
+                      help="also time the whole commands (decode.py and a CTranslate2 script)")
+  parser.add_argument("--out", default="")
+  args = parser.parse_args()
+
+  import jax
+  from transformer.decoding import loader
+  from transformer.interop import ctranslate2_export
+
+  out = Path(args.out or tempfile.mkdtemp(prefix="bench_ct2_"))
+  out.mkdir(parents=True, exist_ok=True)
+  sources, references = read_input(Path(args.input), args.lines)
+  src_file = out / "input.txt"
+  src_file.write_text("".join(s + "\n" for s in sources), encoding="utf-8")
+  exported = {}
+  for quantization in args.quantizations.split(","):
+    exported[quantization] = Path(ctranslate2_export.export_workdir(
+        args.workdir, str(out / f"ct2_{quantization}"), quantization=quantization, force=True))
+  translator = loader.load_translator(args.workdir)
+  print(f"{len(sources)} lines of {args.input}; {args.threads} threads; jax {jax.__version__} "
+        f"on {jax.devices()[0].device_kind}; workdir {args.workdir}", flush=True)
+  print("\n| engine | method | batch | sentences/s (decoding) | vs CT2 float32 | "
+        "whole command (s) | BLEU |")
+  print("|---|---|---|---|---|---|---|")
+  notes = []
+  for method in args.methods.split(","):
+    beam = 4 if method == "beam" else 1
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+      rows = []
+      for quantization, model_dir in exported.items():
+        speed, hyps = ct2_run(model_dir, sources, batch, beam, args.threads)
+        wall = float("nan")
+        if args.commands:
+          spm_in, spm_out = spm_files(model_dir)
+          wall = command_seconds([sys.executable, "-c", CT2_COMMAND, str(model_dir),
+                                  str(src_file), str(out / "ct2.out"), str(batch), str(beam),
+                                  str(args.threads), spm_in, spm_out])
+        rows.append((f"CTranslate2 {quantization}", speed, wall, bleu(hyps, references)))
+        if quantization == "float32":
+          float32_hyps = hyps
+      options = dict(method=method, beam_size=4, batch_size=batch)
+      translator.translate(sources, **options)  # every shape compiled
+      hyps = translator.translate(sources, **options)
+      stats = translator.last_stats
+      speed = stats["sentences"] / max(stats["seconds"] - stats["compile_seconds"], 1e-9)
+      wall = float("nan")
+      if args.commands:
+        command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
+                   f"--input={src_file}", f"--output={out / 'ours.out'}", f"--method={method}",
+                   f"--batch_size={batch}"]
+        command_seconds(command)  # fills the compilation cache
+        (out / "ours.out").unlink()
+        wall = command_seconds(command)
+      rows.append(("decode.py / Translator", speed, wall, bleu(hyps, references)))
+      same = sum(a == b for a, b in zip(hyps, float32_hyps))
+      notes.append(f"{method}, batch {batch}: {same} of {len(hyps)} translations identical to "
+                   "CTranslate2 float32's")
+      reference_speed = rows[0][1]
+      for engine, speed, wall, score in rows:
+        print(f"| {engine} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
+              f"{wall:.1f} | {score:.1f} |", flush=True)
+  print("\n" + "\n".join(notes))
+  (out / "done.json").write_text(json.dumps({"lines": len(sources)}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
