@@ -38,7 +38,7 @@ NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
 
 
 def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=None,
-                    **overrides):
+                    sentences: int = NUM_SENTENCES, **overrides):
   """The benchmark's decoder for `shape` (TransformerConfig fields replaced by
   `overrides`, e.g. dtype="bfloat16"), compiled (with XLA `compiler_options`
   if given): -> (compiled, args, seconds to compile). `compiled(*args)`
@@ -47,10 +47,10 @@ def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=No
   config = config.replace(max_len=128)
   params = model_lib.init_params(config, jax.random.key(0))
   translator = Translator(config, params, tokenizer=None)
-  fn = translator._decode_fn(method, NUM_SENTENCES, SRC_LEN, GEN_LEN, beam_size, 0)
-  inputs = np.asarray(jax.random.randint(jax.random.key(1), (NUM_SENTENCES, SRC_LEN), 3,
+  fn = translator._decode_fn(method, sentences, SRC_LEN, GEN_LEN, beam_size, 0)
+  inputs = np.asarray(jax.random.randint(jax.random.key(1), (sentences, SRC_LEN), 3,
                                          config.vocab_size))
-  rows = np.zeros(NUM_SENTENCES, np.int32)  # (each row's line and copy: sampling's keys)
+  rows = np.zeros(sentences, np.int32)  # (each row's line and copy: sampling's keys)
   args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), rows, rows,
           0.6, 1.0, 1.0, GEN_LEN)
   start = time.perf_counter()
@@ -58,14 +58,15 @@ def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=No
   return compiled, args, time.perf_counter() - start
 
 
-def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
+def bench(shape: str, method: str, beam_size: int, repeats: int,
+          sentences: int = NUM_SENTENCES) -> dict:
   """Times the batch and its matmuls alone (`matmul_floor`) in turn, `repeats`
   rounds after one warm-up: both see the same neighbours, so their ratio is
   steadier than either time on a shared machine (the figures are medians)."""
-  compiled, args, compile_s = compile_decoder(shape, method, beam_size)
+  compiled, args, compile_s = compile_decoder(shape, method, beam_size, sentences=sentences)
   seqs, _ = compiled(*args)
-  assert int(np.sum(np.asarray(seqs)[:, 0] != 0)) == NUM_SENTENCES * GEN_LEN, "EOS ended early"
-  floor, floor_args = matmul_floor(shape, NUM_SENTENCES * beam_size)
+  assert int(np.sum(np.asarray(seqs)[:, 0] != 0)) == sentences * GEN_LEN, "EOS ended early"
+  floor, floor_args = matmul_floor(shape, sentences * beam_size)
   rounds = []
   for i in range(repeats + 1):
     batch_s = common.time_fn(lambda: compiled(*args), repeats=1, warmup=0)[0]
@@ -74,8 +75,9 @@ def bench(shape: str, method: str, beam_size: int, repeats: int) -> dict:
       rounds.append((batch_s, floor_s))
   seconds = statistics.median(r[0] for r in rounds)
   return {"shape": shape, "method": f"beam {beam_size}" if method == "beam" else method,
-          "seconds": seconds, "sentences_per_s": NUM_SENTENCES / seconds,
-          "tokens_per_s": NUM_SENTENCES * GEN_LEN / seconds, "compile_s": compile_s,
+          "sentences": sentences,
+          "seconds": seconds, "sentences_per_s": sentences / seconds,
+          "tokens_per_s": sentences * GEN_LEN / seconds, "compile_s": compile_s,
           "floor_s": statistics.median(r[1] for r in rounds),
           "over_floor": statistics.median(r[0] / r[1] for r in rounds)}
 
@@ -115,7 +117,7 @@ def matmul_floor(shape: str, rows: int):
 
 def early_exit_saving(workdir: str, beam_size: int = 4) -> str:
   from transformer.data import demo_task
-  from transformer.runtime.workdir import load_translator
+  from transformer.decoding.loader import load_translator
   translator = load_translator(workdir)
   sources = [s for s, _ in demo_task.demo_splits()["test"]]
   times = {}
@@ -167,6 +169,9 @@ def main():
   parser.add_argument("--shapes", default="S,B")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--early_exit_workdir", default="")
+  parser.add_argument("--sentences", default=str(NUM_SENTENCES),
+                      help="batch sizes (sentences per batch), e.g. 8,32,128: how a step "
+                           "scales with the batch")
   parser.add_argument("--compare_prefix_parts", default="",
                       help="e.g. 1,4: A/B of kv_cache.CACHE_PREFIX_PARTS instead of the table")
   parser.add_argument("--cpu_devices", type=int, default=0,
@@ -183,15 +188,16 @@ def main():
   rows = []
   for shape in args.shapes.split(","):
     for method, beams in (("greedy", 1), ("beam", 4)):
-      rows.append(bench(shape, method, beams, args.repeats))
+      for sentences in (int(n) for n in args.sentences.split(",")):
+        rows.append(bench(shape, method, beams, args.repeats, sentences))
   print(f"\n{common.machine_load()}; jax {jax.__version__}, {len(jax.devices())} "
         f"{jax.devices()[0].platform} device(s); "
-        f"{NUM_SENTENCES} sentences x {SRC_LEN} source tokens -> {GEN_LEN} tokens")
-  print("\n| shape | method | sentences/s | generated tokens/s | batch time (s) | "
+        f"sentences of {SRC_LEN} source tokens -> {GEN_LEN} tokens")
+  print("\n| shape | method | batch | sentences/s | generated tokens/s | batch time (s) | "
         "matmuls alone (s) | batch / matmuls | compile (s) |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    print(f"| {r['shape']} | {r['method']} | {r['sentences_per_s']:.1f} | "
+    print(f"| {r['shape']} | {r['method']} | {r['sentences']} | {r['sentences_per_s']:.1f} | "
           f"{r['tokens_per_s']:,.0f} | {r['seconds']:.3f} | {r['floor_s']:.3f} | "
           f"{r['over_floor']:.2f} | {r['compile_s']:.1f} |")
   print("\nmatmuls alone: the decoder's per-step weight matrices times the same rows "

@@ -2,6 +2,7 @@
 
     python benchmarks/profile_ops.py train --shape=S
     python benchmarks/profile_ops.py decode --shape=S --method=beam --top=30
+    python benchmarks/profile_ops.py decode --shape=S --method=greedy --sentences=128
     python benchmarks/profile_ops.py train --shape=S --exclude=matmul   # the rest
 
 Runs the computation once under `jax.profiler.trace` (a Perfetto trace, read
@@ -45,10 +46,13 @@ def train_computation(shape: str):
   return compiled, run
 
 
-def decode_computation(shape: str, method: str):
-  """-> (compiled, run()) for bench_decode.py's batch of `shape`."""
+def decode_computation(shape: str, method: str, sentences: int | None = None):
+  """-> (compiled, run()) for bench_decode.py's batch of `shape` (of
+  `sentences` sentences; None: bench_decode's 16)."""
   from benchmarks import bench_decode
-  compiled, args, _ = bench_decode.compile_decoder(shape, method, 4 if method == "beam" else 1)
+  compiled, args, _ = bench_decode.compile_decoder(
+      shape, method, 4 if method == "beam" else 1,
+      sentences=sentences or bench_decode.NUM_SENTENCES)
   return compiled, lambda: compiled(*args)
 
 
@@ -78,13 +82,15 @@ def main():
   parser.add_argument("--shape", default="S", choices=sorted(common.SHAPES))
   parser.add_argument("--method", default="beam", choices=("greedy", "beam"))
   parser.add_argument("--top", type=int, default=25)
+  parser.add_argument("--sentences", type=int, default=None,
+                      help="decode: sentences per batch (default: bench_decode.py's 16)")
   parser.add_argument("--exclude", default="",
                       help="comma-separated kinds left out of the per-op list, e.g. matmul")
   args = parser.parse_args()
   if args.what == "train":
     compiled, run = train_computation(args.shape)
   else:
-    compiled, run = decode_computation(args.shape, args.method)
+    compiled, run = decode_computation(args.shape, args.method, args.sentences)
   labels = op_labels(compiled.as_text())
   for _ in range(2):
     jax.block_until_ready(run())
