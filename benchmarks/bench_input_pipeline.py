@@ -258,8 +258,8 @@ def main() -> None:
 
     if args.only_memory:
       args.workers = ""
-    print(f"\n| path | grain workers | batches/s | examples/s | target tokens/s | fill | "
-          f"cores used | target tokens/s per core | x one H100 at 50% MFU (batches/s) |")
+    print("\n| path | grain workers | batches/s | examples/s | target tokens/s | fill | "
+          "cores used | target tokens/s per core | x one H100 at 50% MFU (batches/s) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, source in (("text", pairs), ("prepared", corpus)):
       for workers in [int(w) for w in args.workers.split(",") if w]:
