@@ -180,6 +180,11 @@ def test_another_vocabulary_or_a_missing_shard_is_refused(pairs, tok, tsv, tmp_p
     prepared.prepare(data_sources.stream_pairs(pairs), tok, directory)
   with pytest.raises(prepared.PreparedDataError, match="no prepared corpus"):
     prepared.open_prepared(str(tmp_path / "nothing"), tok)
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / "notes.txt").write_text("mine")
+  with pytest.raises(prepared.PreparedDataError, match="busy is not empty"):  # before the work
+    prepared.prepare(data_sources.StreamedPairs(lambda: 1 / 0, "never read"), tok,
+                     str(tmp_path / "busy"))
 
 
 def test_a_failed_preparation_leaves_nothing(pairs, tok, tmp_path):

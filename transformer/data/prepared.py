@@ -165,6 +165,9 @@ def prepare(pairs: StreamedPairs, tokenizer, directory: str, *,
   """
   if os.path.exists(os.path.join(directory, MANIFEST)):
     raise PreparedDataError(f"{directory} is already prepared; remove it to prepare again.")
+  if os.path.isdir(directory) and os.listdir(directory):
+    raise PreparedDataError(f"{directory} is not empty and holds no prepared corpus; give "
+                            "config.data.prepared_dir a new or empty directory.")
   if shard_tokens < 1 or chunk_pairs < 1:
     raise ValueError(f"need shard_tokens, chunk_pairs >= 1, got {shard_tokens}, {chunk_pairs}")
   start = last_log = time.perf_counter()
