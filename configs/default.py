@@ -22,6 +22,11 @@ def get_config() -> ml_collections.ConfigDict:
       test_src="", test_tgt="",
       tfds_name="", tfds_train_split="train", tfds_eval_split="validation",
       tfds_test_split="test", source_lang="en", target_lang="de", tfds_data_dir="",
+      # True: train from the training split tokenized once into token shards on disk
+      # (python -m transformer.training.prepare; automatic on first use with one
+      # process): host memory flat in the corpus's size, nothing re-tokenized.
+      prepared=False,
+      prepared_dir="",          # empty: <workdir>/prepared
   ))
   config.vocab_path = ""        # empty: train SentencePiece into <workdir>/vocab.model
   # Fine-tuning: start from another workdir's parameters (its checkpoint

@@ -3,7 +3,9 @@
 Prepare the data once (needs TensorFlow for the build step only):
     pip install tensorflow
     tfds build wmt14_translate/de-en --file_format=array_record
-Then:
+Then (the first command tokenizes the corpus into <workdir>/prepared once; a
+single-process train.py would do it itself):
+    python -m transformer.training.prepare --config=configs/wmt14_base.py --workdir=runs/base
     python train.py --config=configs/wmt14_base.py --workdir=runs/base
 
 Batches: 96 rows x 256 tokens, packed, = 24,576 source and about as many target
@@ -25,6 +27,10 @@ def get_config():
   config.data.tfds_test_split = "test"         # newstest2014
   config.data.source_lang = "en"
   config.data.target_lang = "de"
+  # Tokenized once into token shards (<workdir>/prepared): 4.5M pairs are not
+  # held in memory nor tokenized again every epoch. Several processes: run
+  # `python -m transformer.training.prepare` with the same flags first.
+  config.data.prepared = True
   config.vocab_size = 37000                    # shared source-target vocabulary
   config.vocab_model_type = "bpe"              # the paper: byte-pair encoding
   config.vocab_max_sentences = 2_000_000

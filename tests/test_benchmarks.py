@@ -265,3 +265,29 @@ def test_accelerator_check_fails_a_wrong_attention():
     for name, wrong in (("unscaled", unscaled), ("not causal", not_causal)):
       row = check.check_attention(wrong, name, dtype, inputs)
       assert row.result == "FAIL" and row.error > 10 * row.tolerance, row
+
+
+def test_input_pipeline_benchmark_needs_and_measures():
+  """bench_input_pipeline: what transformer-base needs on one H100 (the FLOP count
+  by hand: 6 x weights x tokens + 3 x the attention matmuls), and a measurement
+  of a tiny synthetic corpus (made twice alike from one seed) that adds up."""
+  from benchmarks import bench_input_pipeline as bench
+  from transformer.data import sources, tokenizer as tokenizer_lib
+  d, d_ff, vocab, layers, rows, length = 512, 2048, 37000, 6, 96, 256
+  tokens = rows * length
+  weights = layers * ((4 * d * d + 2 * d * d_ff) + (6 * d * d + 2 * d * d_ff) + 2 * d * d)
+  step = 6 * (weights + d * vocab) * tokens + 3 * rows * 4 * d * layers * 3 * length ** 2
+  need = bench.needed()
+  assert need["step_tflop"] * 1e12 == pytest.approx(step, rel=1e-9)
+  assert need["steps_per_s"] == pytest.approx(0.5 * 989e12 / step, rel=1e-9)
+  assert need["target_slots_per_s"] == pytest.approx(need["steps_per_s"] * tokens, rel=1e-9)
+
+  pairs = list(bench.synthetic_pairs(400, seed=3))
+  assert pairs == list(bench.synthetic_pairs(400, seed=3)) and len(pairs) == 400
+  assert not any("\t" in s or "\n" in s or "\t" in t or "\n" in t for s, t in pairs)
+  tok = tokenizer_lib.train_tokenizer(sources.sample_sentences(pairs), None, 300,
+                                      model_type="bpe")
+  result = bench.measure(pairs, tok, workers=0, seconds=0.3, warmup=1)
+  assert result["batches_per_s"] > 0 and 0.5 < result["fill"] <= 1
+  assert result["target_tokens_per_s"] == pytest.approx(
+      result["batches_per_s"] * rows * length * result["fill"], rel=1e-9)

@@ -706,6 +706,32 @@ def test_resume_is_exact(tmp_path, reference_run, compilation_cache, caplog):
   assert steps == [5, 10, 15, 20, 24]
 
 
+def test_training_from_prepared_shards_is_training_from_the_text(tmp_path, reference_run,
+                                                                 compilation_cache, caplog):
+  """config.data.prepared: the first run prepares <workdir>/prepared itself and
+  trains from it; resumed from the text, the run ends bit for bit where the
+  reference (text all along) ends."""
+  ref_dir, ref_result = reference_run
+  with caplog.at_level(logging.INFO, logger="transformer"):
+    first = train(tmp_path, dict(REF, num_train_steps=10, **{"data.prepared": True}))
+  assert first.step == 10
+  assert "Prepared 1000 pairs" in caplog.text
+  manifest = json.loads((tmp_path / "prepared" / "manifest.json").read_text())
+  assert manifest["num_examples"] == 1000
+  assert manifest["corpus"]["description"] == "demo train split"
+  resumed = train(tmp_path, REF)  # from the text now (data.prepared may change on resume)
+  state, data_state = load_state(tmp_path, REF)
+  ref_state, ref_data_state = load_state(ref_dir, REF)
+  assert_trees_equal(state, ref_state)     # params, Adam moments, count, RNG: bitwise
+  assert data_state == ref_data_state
+  assert resumed.eval == ref_result.eval
+  # Another corpus for these shards is refused before training, naming the fix.
+  with pytest.raises(ValueError, match=r"prepared from another corpus.*Remove .*prepared"):
+    train(tmp_path / "other", dict(REF, **{
+        "data.prepared": True, "data.demo_seed": 1, "vocab_path": str(tmp_path / "vocab.model"),
+        "data.prepared_dir": str(tmp_path / "prepared")}))
+
+
 # Kill anywhere, lose nothing: the soak test. Runs of the REF config (eval
 # every 6 steps, so that evaluations happen inside the loop too; evaluation
 # changes no parameter) are SIGKILLed in a seeded random moment of a chosen

@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 import grain
 import numpy as np
 
+from transformer.data.prepared import PreparedCorpus
 from transformer.data.sources import DataError, Pair
 from transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 
@@ -90,6 +91,26 @@ class _Tokenize:
     if self.drop_long and (long_src or long_tgt):
       return None
     return {"inputs": inputs, "targets": targets}
+
+
+class _Cut:
+  """Prepared example (ids + EOS, `prepared.PreparedCorpus`) -> the same as
+  `_Tokenize` gives from its text: truncated to max_length (EOS kept last), or
+  None if dropped as too long."""
+
+  def __init__(self, max_length: int, drop_long: bool):
+    self.max_length, self.drop_long = max_length, drop_long
+
+  def __call__(self, example: dict[str, np.ndarray]):
+    out = {}
+    for key in ("inputs", "targets"):
+      ids = example[key]
+      if len(ids) > self.max_length:
+        if self.drop_long:
+          return None
+        ids = np.concatenate([ids[:self.max_length - 1], [EOS_ID]]).astype(np.int32)
+      out[key] = ids
+    return out
 
 
 def _pad_example(example: dict[str, np.ndarray], max_length: int) -> Batch:
@@ -145,8 +166,11 @@ def train_dataset(
   gives no exit guard (`train_iterator` adds one).
 
   Args:
-    pairs: random-access sequence of (source, target) strings (`load_split`).
-    tokenizer: the shared vocabulary; EOS is appended to source and target.
+    pairs: random-access sequence of (source, target) strings (`load_split`),
+      or a `prepared.PreparedCorpus` (tokenized once into shards on disk: the
+      same batches as from its text, without tokenizing or holding the text).
+    tokenizer: the shared vocabulary; EOS is appended to source and target
+      (not used for a prepared corpus, tokenized with it already).
     batch_size: rows per batch *on this process*.
     max_length: tokens per row (EOS included), for inputs and for targets.
     seed: shuffle seed (each epoch is reshuffled; same seed -> same batches).
@@ -160,8 +184,8 @@ def train_dataset(
       tokens are skipped; False: they are truncated (EOS kept as the last
       token). `summarize` counts them.
     num_threads: grain threads reading + tokenizing examples. None: 0 for an
-      in-memory list/tuple (threads only add GIL contention), 4 otherwise
-      (e.g. TFDS array_record files).
+      in-memory list/tuple or a prepared corpus (threads only add GIL
+      contention), 4 otherwise (e.g. TFDS array_record files).
     prefetch: batches prepared ahead in a background thread
       (`grain.experimental.ThreadPrefetchIterDataset`); 0 disables it.
 
@@ -177,7 +201,10 @@ def train_dataset(
         f"Process shard {shard_index} of {shard_count} has no training examples "
         f"(only {len(pairs)} in total). Use more data or fewer processes."
     )
-  tokenize = _Tokenize(tokenizer, max_length, drop_long)
+  if isinstance(pairs, PreparedCorpus):  # tokenized already: cut to max_length
+    tokenize = _Cut(max_length, drop_long)
+  else:
+    tokenize = _Tokenize(tokenizer, max_length, drop_long)
   if drop_long:  # Fail fast instead of looping forever over dropped examples.
     probe = range(start, min(end, start + 100))
     if all(tokenize(pairs[i]) is None for i in probe):
@@ -191,7 +218,7 @@ def train_dataset(
   ds = ds.shuffle(seed=seed).repeat(None)  # reshuffled every epoch
   ds = ds.map(tokenize)  # None = dropped
   if num_threads is None:  # In-memory data: threads only add GIL contention.
-    num_threads = 0 if isinstance(pairs, (list, tuple)) else 4
+    num_threads = 0 if isinstance(pairs, (list, tuple, PreparedCorpus)) else 4
   it_ds = ds.to_iter_dataset(
       grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=max(8, 4 * batch_size)))
   if pack:

@@ -18,6 +18,7 @@ Every source is a random-access sequence of ``(source, target)`` string pairs.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -278,17 +279,145 @@ def has_split(data_config, split: str) -> bool:
   return False
 
 
-def sample_sentences(pairs: Sequence[Pair], max_sentences: int = 1_000_000) -> Iterator[str]:
+def _sample_indices(n: int, max_sentences: int) -> np.ndarray:
+  """The indices of the evenly spaced pairs `sample_sentences` takes."""
+  num_pairs = min(n, max(1, max_sentences // 2))
+  return np.linspace(0, n - 1, num_pairs).round().astype(np.int64) if n else np.zeros(0, np.int64)
+
+
+def sample_sentences(pairs, max_sentences: int = 1_000_000) -> Iterator[str]:
   """Source and target sentences from evenly spaced pairs (for the vocabulary).
 
   Yields at most `max_sentences` strings (source, target, source, ...),
   deterministic, spread over the whole corpus rather than its first lines.
+  `pairs` is a random-access sequence, or a `StreamedPairs` (read through
+  once after it is counted; the same sentences as from the list of its pairs).
   """
-  n = len(pairs)
-  num_pairs = min(n, max(1, max_sentences // 2))
-  if n == 0:
+  indices = _sample_indices(len(pairs), max_sentences)
+  if isinstance(pairs, StreamedPairs):
+    wanted = collections.Counter(indices.tolist())
+    last = int(indices[-1]) if len(indices) else -1
+    for i, (src, tgt) in enumerate(pairs):
+      if i > last:
+        break
+      for _ in range(wanted.get(i, 0)):
+        yield src
+        yield tgt
     return
-  for i in np.linspace(0, n - 1, num_pairs).round().astype(np.int64):
+  for i in indices:
     src, tgt = pairs[int(i)]
     yield src
     yield tgt
+
+
+# ---------------------------------------------------------------------------
+# Streaming a split (for preparing token shards: the corpus is never held).
+# ---------------------------------------------------------------------------
+
+
+class StreamedPairs:
+  """The (source, target) pairs of a split, read one at a time: `iter()`
+  reads from the start again, `len()` counts them (once, by reading through);
+  memory does not grow with the corpus. The same pairs, in the same order, as
+  `load_split` gives as a list (same checks, same messages, given when the
+  bad line is reached).
+
+  Attributes:
+    description: what the corpus is, for messages ("tsv /data/train.tsv").
+    files: [(path, size in bytes, mtime in ns)] of the files read (empty for
+      data that is not in files: a changed corpus is then found by its
+      content, `content_is_cheap`).
+    content_is_cheap: whether reading the whole content again to compare it
+      is cheap (the pairs are in memory).
+  """
+
+  def __init__(self, make_iter, description: str, files: Sequence[str] = (),
+               content_is_cheap: bool = False, num_pairs: int | None = None):
+    self._make_iter, self._len = make_iter, num_pairs
+    self.description, self.content_is_cheap = description, content_is_cheap
+    self.files = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns)
+                  for f in files if os.path.exists(f)]
+
+  def __iter__(self) -> Iterator[Pair]:
+    return iter(self._make_iter())
+
+  def __len__(self) -> int:
+    if self._len is None:
+      self._len = sum(1 for _ in self)
+    return self._len
+
+  def __repr__(self) -> str:
+    return f"StreamedPairs({self.description})"
+
+
+def _iter_text_lines(path: str) -> Iterator[str]:
+  """`text_io.iter_lines` as DataError; an empty file refused as `_read_lines` does."""
+  seen_text = False
+  try:
+    for _, line in text_io.iter_lines(path):
+      seen_text = seen_text or bool(line.strip())
+      yield line
+  except (text_io.TextFileError, text_io.NotUtf8Error) as e:
+    raise DataError(str(e)) from None
+  if not seen_text:
+    raise DataError(f"{path}: file is empty (line 1). Put one example per line.")
+
+
+def _iter_tsv(path: str) -> Iterator[Pair]:
+  for number, line in enumerate(_iter_text_lines(path), start=1):
+    tabs = line.count("\t")
+    if tabs != 1:
+      what = "has no tab" if tabs == 0 else f"has {tabs} tabs"
+      raise DataError(
+          f"{path}:{number}: line {number} {what}; every line must be "
+          f"'source<TAB>target' with exactly one tab (got {line[:60]!r}). Fix "
+          "or remove that line."
+      )
+    src, tgt = line.split("\t")
+    yield src, tgt
+
+
+def _iter_files(src_path: str, tgt_path: str) -> Iterator[Pair]:
+  src_lines, tgt_lines = _iter_text_lines(src_path), _iter_text_lines(tgt_path)
+  number = 0
+  while True:
+    src, tgt = next(src_lines, None), next(tgt_lines, None)
+    if src is None and tgt is None:
+      return
+    number += 1
+    if src is None or tgt is None:
+      longer, shorter = (src_path, tgt_path) if tgt is None else (tgt_path, src_path)
+      rest = 1 + sum(1 for _ in (src_lines if tgt is None else tgt_lines))
+      longer_count, shorter_count = number - 1 + rest, number - 1
+      src_count, tgt_count = ((longer_count, shorter_count) if tgt is None
+                              else (shorter_count, longer_count))
+      raise DataError(
+          f"{longer}:{number}: {src_path} has {src_count} lines but {tgt_path} has "
+          f"{tgt_count}; line {number} of {longer} has no partner in {shorter}. "
+          "The files must be line-aligned translations of each other."
+      )
+    yield src, tgt
+
+
+def stream_pairs(pairs: Sequence[Pair], description: str = "pairs in memory") -> StreamedPairs:
+  """A sequence of pairs already in memory (the demo, `train(train_pairs=...)`) as a
+  StreamedPairs."""
+  return StreamedPairs(lambda: iter(pairs), description, content_is_cheap=True,
+                       num_pairs=len(pairs))
+
+
+def stream_split(data_config, split: str) -> StreamedPairs:
+  """The pairs of `split` as `load_split` gives them, streamed (`StreamedPairs`):
+  text files are read a line at a time, TFDS a record at a time."""
+  source = _field(data_config, "source")
+  if source == "tsv":
+    path = _required(data_config, f"{split}_path", source)
+    return StreamedPairs(lambda: _iter_tsv(path), f"tsv {path}", files=[path])
+  if source == "files":
+    src = _required(data_config, f"{split}_src", source)
+    tgt = _required(data_config, f"{split}_tgt", source)
+    return StreamedPairs(lambda: _iter_files(src, tgt), f"files {src} {tgt}", files=[src, tgt])
+  pairs = load_split(data_config, split)  # demo (small, in memory) or TFDS (random access)
+  if source == "tfds":
+    return StreamedPairs(lambda: iter(pairs), f"{pairs!r} split {split}", num_pairs=len(pairs))
+  return stream_pairs(pairs, f"{source} {split} split")

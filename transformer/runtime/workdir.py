@@ -88,6 +88,7 @@ RESUMABLE_FIELDS = (
     "checkpoint_every", "keep_checkpoints", "average_last",
     "data.tfds_data_dir", "state_sharding", "shared_workdir",
     "init_from",  # (read at step 0 only; a resumed run continues from its own checkpoint)
+    "data.prepared", "data.prepared_dir",  # the same batches from the text or its shards
 )
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The training loop: `train_and_evaluate(config, workdir)` is what `python train.py` runs:
 
   data (config.data)  ->  SentencePiece vocabulary (<workdir>/vocab.model; run_setup.py)
+  [->  token shards on disk, config.data.prepared (prepare.py; data/prepared.py)]
   ->  packed token batches (grain, one shard per process; data/pipeline.py)
   ->  the jitted train step over a device mesh (steps.py)
   ->  metrics (console, TensorBoard, metrics.jsonl; MFU: flops.py), periodic
@@ -35,6 +36,7 @@ from transformer.runtime import (averaging, checkpoints, multihost, parallel, pr
                                  run_lock, run_log)
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import evaluation, report, run_monitor, run_setup
+from transformer.training import prepare as prepare_lib
 from transformer.training import steps as steps_lib
 from transformer.training import metrics as metrics_lib
 from transformer.training import time_budget as time_budget_lib
@@ -121,14 +123,21 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   for name, stored, requested in workdir_lib.check_config(workdir, config.to_dict()):
     logger.info("config.%s: %s -> %s (allowed on resume)", name, stored, requested)
 
-  if train_pairs is None:
-    train_pairs = data_sources.load_split(config.data, "train")
+  use_prepared = bool(config.data.get("prepared", False))
+  if train_pairs is None:  # (prepared: streamed, for the vocabulary and the check of the shards)
+    train_pairs = (data_sources.stream_split(config.data, "train") if use_prepared
+                   else data_sources.load_split(config.data, "train"))
+  elif use_prepared:
+    train_pairs = data_sources.stream_pairs(train_pairs)
   if eval_pairs is None:
     eval_pairs = data_sources.load_split(config.data, "eval")
   init_from = config.get("init_from", "")
   if init_from:  # (checked before its vocabulary is read)
     source_config = run_setup.load_init_from_config(config)
   tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs, shared=shared)
+  if use_prepared:  # token shards on disk instead of the text (training/prepare.py)
+    train_pairs = prepare_lib.train_corpus(config, workdir, tokenizer, train_pairs,
+                                           may_prepare=jax.process_count() == 1)
   if init_from:
     model_config = run_setup.init_from_model_config(config, source_config,
                                                     tokenizer.vocab_size)

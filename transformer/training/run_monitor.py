@@ -10,6 +10,7 @@ from transformer.training import flops
 from transformer.training import stall
 from transformer.training import time_budget as time_budget_lib
 from transformer.model.transformer import TransformerConfig
+from transformer.data.prepared import PreparedCorpus
 from transformer.data.tokenizer import EOS_ID
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,13 @@ class RunMonitor:
     logger.info("MFU is measured against the %s: %.1f GFLOP/s; a step is %.2f GFLOP.",
                 self.peak_source, self.peak_flops / 1e9, self.flops_per_step / 1e9)
     every = max(1, len(train_pairs) // 20_000)  # 20k targets are plenty for the entropy
-    targets = [train_pairs[i][1] for i in range(0, len(train_pairs), every)]
-    self.stall = stall.StallCheck(stall.unigram_entropy(
-        tokenizer.encode_target_batch(targets), EOS_ID), config)
+    if isinstance(train_pairs, PreparedCorpus):  # tokenized already (ids + EOS)
+      target_ids = [train_pairs[i]["targets"][:-1].tolist()
+                    for i in range(0, len(train_pairs), every)]
+    else:
+      target_ids = tokenizer.encode_target_batch(
+          [train_pairs[i][1] for i in range(0, len(train_pairs), every)])
+    self.stall = stall.StallCheck(stall.unigram_entropy(target_ids, EOS_ID), config)
     self._warned_warmup = False
 
   def mfu(self, steps_per_second: float) -> float:
