@@ -12,8 +12,9 @@ column of a TSV, or a text file) are translated by
   * `decode.py` as a command (the whole command: start, load, compile or
     compilation cache, decode, write), run twice, the second timed (the
     compilation cache warm, as a user's second command finds it);
-  * CTranslate2's `Translator` (`intra_threads` = the cores, one batch at a
-    time), in this process for throughput and as a command for the wall time;
+  * CTranslate2's `Translator` (`intra_threads` = the cores), as a command of
+    its own (no JAX threads beside it): its `translate_batch` time and the
+    whole command's, the second of two runs;
 
 greedy and beam 4, at each `--batch_sizes`. Printed: sentences/s of the
 decoding, the whole command's seconds, BLEU against the references (a TSV's
@@ -57,10 +58,13 @@ sp_out = spm.SentencePieceProcessor(model_file=spm_out)
 translator = ctranslate2.Translator(model, device="cpu", intra_threads=int(threads))
 lines = open(src, encoding="utf-8").read().splitlines()
 tokens = [sp_in.encode(line, out_type=str) for line in lines]
+start = time.perf_counter()
 results = translator.translate_batch(tokens, max_batch_size=int(batch), beam_size=int(beam),
                                      max_decoding_length=256, min_decoding_length=0)
+seconds = time.perf_counter() - start
 with open(out, "w", encoding="utf-8") as f:
   f.writelines(sp_out.decode(r.hypotheses[0]) + "\\n" for r in results)
+print(seconds)
 """
 
 
@@ -70,20 +74,18 @@ def spm_files(model_dir: Path) -> tuple[str, str]:
   return str(model_dir / "source.spm"), str(model_dir / "target.spm")
 
 
-def ct2_run(model_dir: Path, sources, batch: int, beam: int, threads: int):
-  """(sentences/s of translate_batch, hypotheses), in this process."""
-  import ctranslate2
-  import sentencepiece as spm
+def ct2_run(model_dir: Path, src_file: Path, out_file: Path, batch: int, beam: int,
+            threads: int) -> tuple[float, float, list[str]]:
+  """CTranslate2 as its own command (no JAX threads beside it): (seconds of
+  translate_batch, seconds of the whole command, hypotheses)."""
   spm_in, spm_out = spm_files(model_dir)
-  sp_in, sp_out = (spm.SentencePieceProcessor(model_file=f) for f in (spm_in, spm_out))
-  translator = ctranslate2.Translator(str(model_dir), device="cpu", intra_threads=threads)
-  tokens = [sp_in.encode(line, out_type=str) for line in sources]
-  translator.translate_batch(tokens[:batch], max_batch_size=batch, beam_size=beam)  # warm
   start = time.perf_counter()
-  results = translator.translate_batch(tokens, max_batch_size=batch, beam_size=beam,
-                                       max_decoding_length=256, min_decoding_length=0)
-  seconds = time.perf_counter() - start
-  return len(sources) / seconds, [sp_out.decode(r.hypotheses[0]) for r in results]
+  run = subprocess.run([sys.executable, "-c", CT2_COMMAND, str(model_dir), str(src_file),
+                        str(out_file), str(batch), str(beam), str(threads), spm_in, spm_out],
+                       cwd=REPO, check=True, capture_output=True, text=True)
+  wall = time.perf_counter() - start
+  return (float(run.stdout.split()[-1]), wall,
+          out_file.read_text(encoding="utf-8").splitlines())
 
 
 def command_seconds(args: list[str]) -> float:
@@ -132,13 +134,10 @@ def main() -> int:
     for batch in (int(b) for b in args.batch_sizes.split(",")):
       rows = []
       for quantization, model_dir in exported.items():
-        speed, hyps = ct2_run(model_dir, sources, batch, beam, args.threads)
-        wall = float("nan")
-        if args.commands:
-          spm_in, spm_out = spm_files(model_dir)
-          wall = command_seconds([sys.executable, "-c", CT2_COMMAND, str(model_dir),
-                                  str(src_file), str(out / "ct2.out"), str(batch), str(beam),
-                                  str(args.threads), spm_in, spm_out])
+        ct2_run(model_dir, src_file, out / "ct2.out", batch, beam, args.threads)  # (warm)
+        seconds, wall, hyps = ct2_run(model_dir, src_file, out / "ct2.out", batch, beam,
+                                      args.threads)
+        speed = len(sources) / seconds
         rows.append((f"CTranslate2 {quantization}", speed, wall, bleu(hyps, references)))
         if quantization == "float32":
           float32_hyps = hyps
