@@ -11,6 +11,7 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as cc
 
+from helpers import CACHE_SETTINGS
 from transformer.decoding import executable_cache, loader
 from transformer.decoding import translator as translator_lib
 
@@ -21,12 +22,17 @@ SENTENCES = ["one red cat", "three hundred and two blue birds and seven green fr
 
 @pytest.fixture
 def cache_dir(tmp_path):
-  """A compilation cache of this test's own (the decoders' home), restored after."""
-  old = jax.config.jax_compilation_cache_dir
+  """A compilation cache of this test's own (the decoders' home) that keeps
+  every program however quickly it compiles, as decode.py's does; restored after."""
+  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
+  old = {name: getattr(jax.config, name) for name in names}
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+  for name, value in CACHE_SETTINGS.items():
+    jax.config.update(name, value)
   cc.reset_cache()
   yield tmp_path / "cache" / executable_cache.SUBDIRECTORY
-  jax.config.update("jax_compilation_cache_dir", old)
+  for name, value in old.items():
+    jax.config.update(name, value)
   cc.reset_cache()
 
 

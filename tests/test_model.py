@@ -250,7 +250,6 @@ def test_decoder_is_causal():
   params = M.init_params(cfg, jax.random.key(0))
   src, tgt = random_batch(cfg, np.random.default_rng(4))
   dec_in = M.shift_right(tgt, cfg.bos_id)
-  model = M.Transformer(cfg)
   base = forward(cfg, params, src, dec_in)
   t = 3
   changed = dec_in.at[:, t + 1:].set((dec_in[:, t + 1:] + 5) % cfg.vocab_size)
@@ -265,7 +264,6 @@ def test_source_padding_is_ignored():
   rng = np.random.default_rng(5)
   src, tgt = random_batch(cfg, rng)
   dec_in = M.shift_right(tgt, cfg.bos_id)
-  model = M.Transformer(cfg)
   base = forward(cfg, params, src, dec_in)
   # Pad the sources further: the same real tokens followed by more padding.
   longer = jnp.pad(src, ((0, 0), (0, 4)), constant_values=cfg.pad_id)
@@ -283,7 +281,6 @@ def test_source_padding_is_ignored():
 def test_packed_row_equals_separate_examples():
   cfg = tiny_config()
   params = M.init_params(cfg, jax.random.key(1))
-  model = M.Transformer(cfg)
   rng = np.random.default_rng(6)
   s1, s2 = rng.integers(4, 40, 4), rng.integers(4, 40, 3)
   t1, t2 = rng.integers(4, 40, 3), rng.integers(4, 40, 5)
