@@ -13,13 +13,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from scoring import teacher_forced_log_probs
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
 from transformer.data import demo_task  # noqa: E402
 from transformer.data.tokenizer import load_tokenizer  # noqa: E402
 from transformer.interop import ctranslate2_export  # noqa: E402
-from transformer.model import Transformer, TransformerConfig, init_params  # noqa: E402
+from transformer.model import TransformerConfig, init_params  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"
@@ -32,25 +33,6 @@ def tokenizer():
 
 def _pieces(tokenizer, ids):
   return [tokenizer.id_to_piece(i) for i in ids]
-
-
-def _our_log_probs(config, params, sources, targets):
-  """Per sentence, sum over target tokens + EOS of log p under teacher forcing
-  (the model's own forward pass and log-softmax, float32, highest precision),
-  the sentences padded into one batch (padding is masked: source keys by their
-  pad id, later target positions by the causal mask)."""
-  src_len = max(len(s) for s in sources) + 1
-  tgt_len = max(len(t) for t in targets) + 1
-  inputs = np.full((len(sources), src_len), config.pad_id, np.int32)
-  decoder_inputs = np.full((len(sources), tgt_len), config.pad_id, np.int32)
-  for row, (src, tgt) in enumerate(zip(sources, targets)):
-    inputs[row, :len(src) + 1] = src + [config.eos_id]
-    decoder_inputs[row, :len(tgt) + 1] = [config.bos_id] + tgt
-  with jax.default_matmul_precision("highest"):
-    logits = jax.jit(Transformer(config).apply)({"params": params}, inputs, decoder_inputs)
-  log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
-  return np.asarray([sum(log_probs[row, t, label] for t, label in enumerate(tgt + [config.eos_id]))
-                     for row, tgt in enumerate(targets)])
 
 
 VARIANTS = {
@@ -86,7 +68,8 @@ def test_ctranslate2_scores_what_this_model_scores(variant, tokenizer, tmp_path)
       [_pieces(tokenizer, s) for s in sources], [_pieces(tokenizer, t) for t in targets])
   theirs = np.asarray([sum(r.log_probs) for r in scored])
   assert [len(r.log_probs) for r in scored] == [len(t) + 1 for t in targets]  # + EOS
-  np.testing.assert_allclose(theirs, _our_log_probs(config, params, sources, targets),
+  np.testing.assert_allclose(theirs,
+                             teacher_forced_log_probs(config, params, sources, targets),
                              rtol=1e-4, atol=1e-3)
 
 

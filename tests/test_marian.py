@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from scoring import teacher_forced_log_probs
 import sentencepiece as spm
 
 ctranslate2 = pytest.importorskip("ctranslate2")
@@ -28,7 +29,7 @@ from transformer.data import demo_task, marian_tokenizer  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer.data.tokenizer import load_tokenizer  # noqa: E402
 from transformer.interop import marian  # noqa: E402
-from transformer.model import Transformer, init_params  # noqa: E402
+from transformer.model import init_params  # noqa: E402
 from transformer.model.transformer import sinusoidal_positional_encoding  # noqa: E402
 from transformer.runtime import averaging  # noqa: E402
 from transformer.runtime import workdir as workdir_lib  # noqa: E402
@@ -254,23 +255,6 @@ def release(tmp_path_factory):
 # ----------------------------------------------------------------------------
 
 
-def _our_log_probs(config, params, sources, targets):
-  """Per sentence, sum over the target's ids + EOS of log p under teacher
-  forcing (the model's forward pass, float32, highest precision)."""
-  src_len = max(len(s) for s in sources) + 1
-  tgt_len = max(len(t) for t in targets) + 1
-  inputs = np.full((len(sources), src_len), config.pad_id, np.int32)
-  decoder_inputs = np.full((len(sources), tgt_len), config.pad_id, np.int32)
-  for row, (src, tgt) in enumerate(zip(sources, targets)):
-    inputs[row, :len(src) + 1] = src + [config.eos_id]
-    decoder_inputs[row, :len(tgt) + 1] = [config.bos_id] + tgt
-  with jax.default_matmul_precision("highest"):
-    logits = jax.jit(Transformer(config).apply)({"params": params}, inputs, decoder_inputs)
-  log_probs = np.asarray(jax.nn.log_softmax(logits, axis=-1), np.float64)
-  return np.asarray([sum(log_probs[row, t, label] for t, label in enumerate(tgt + [config.eos_id]))
-                     for row, tgt in enumerate(targets)])
-
-
 def _check_scores(model: marian.MarianModel, ct2_dir, pieces):
   """score_batch of random piece sequences == the imported model's."""
   config = model.config
@@ -283,7 +267,7 @@ def _check_scores(model: marian.MarianModel, ct2_dir, pieces):
   assert [len(r.log_probs) for r in scored] == [len(t) + 1 for t in targets]  # + EOS
   ours = [marian_tokenizer.marian_to_ours(np.asarray(s)).tolist() for s in sources]
   ours_t = [marian_tokenizer.marian_to_ours(np.asarray(t)).tolist() for t in targets]
-  np.testing.assert_allclose(_our_log_probs(config, params, ours, ours_t),
+  np.testing.assert_allclose(teacher_forced_log_probs(config, params, ours, ours_t),
                              [sum(r.log_probs) for r in scored], rtol=1e-5, atol=1e-4)
 
 
