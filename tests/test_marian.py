@@ -28,7 +28,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from transformer.data import demo_task, marian_tokenizer  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer.data.tokenizer import load_tokenizer  # noqa: E402
-from transformer.interop import marian  # noqa: E402
+from transformer.interop import marian, marian_formats  # noqa: E402
 from transformer.model import init_params  # noqa: E402
 from transformer.model.transformer import sinusoidal_positional_encoding  # noqa: E402
 from transformer.runtime import averaging  # noqa: E402
@@ -155,7 +155,7 @@ def write_hf(directory: Path, weights: dict, pieces: list[str], release: Path) -
         t[f"{hf}.fc{k}.bias"] = weights[f"{m}_ffn_b{k}"][0]
       t[f"{hf}.final_layer_norm.weight"] = weights[f"{m}_ffn_ffn_ln_scale"][0]
       t[f"{hf}.final_layer_norm.bias"] = weights[f"{m}_ffn_ffn_ln_bias"][0]
-    t[f"model.{side}.embed_positions.weight"] = marian.marian_position_table(
+    t[f"model.{side}.embed_positions.weight"] = marian_formats.marian_position_table(
         512, D_MODEL).astype(np.float32)
   t["model.shared.weight"] = pad_row(weights["Wemb"])
   t["final_logits_bias"] = pad_row(weights["decoder_ff_logit_out_b"][0])[None]
@@ -255,7 +255,7 @@ def release(tmp_path_factory):
 # ----------------------------------------------------------------------------
 
 
-def _check_scores(model: marian.MarianModel, ct2_dir, pieces):
+def _check_scores(model: marian_formats.MarianModel, ct2_dir, pieces):
   """score_batch of random piece sequences == the imported model's."""
   config = model.config
   params = marian.params_from_marian(model.weights, config)
@@ -290,7 +290,7 @@ def _ct2_greedy(ct2_dir, release_dir, sentences):
 def test_the_permutation_turns_marians_position_table_into_the_papers():
   """Marian's table is [sin | cos]; dimension k here is Marian's perm[k]."""
   perm = marian.residual_permutation(D_MODEL)
-  table = marian.marian_position_table(50, D_MODEL)
+  table = marian_formats.marian_position_table(50, D_MODEL)
   np.testing.assert_allclose(table[:, perm], sinusoidal_positional_encoding(
       np.arange(50), D_MODEL), atol=1e-5)
   assert not np.allclose(table, sinusoidal_positional_encoding(np.arange(50), D_MODEL),
@@ -299,7 +299,7 @@ def test_the_permutation_turns_marians_position_table_into_the_papers():
 
 def test_a_release_scores_and_translates_as_ctranslate2s_marian_converter_reads_it(release):
   directory, weights, pieces, ct2 = release
-  model = marian.read_marian_release(str(directory))
+  model = marian_formats.read_marian_release(str(directory))
   assert model.pieces == pieces  # vocab.yml read back, quoted and plain lines alike
   assert (model.config.activation, model.config.normalization) == ("swish", "post")
   _check_scores(model, ct2, pieces)
@@ -312,15 +312,15 @@ def test_a_release_scores_and_translates_as_ctranslate2s_marian_converter_reads_
 def test_other_marian_layouts_score_as_ctranslate2(variant, tmp_path):
   directory, _, pieces = write_release(tmp_path / "release", seed=3, **variant)
   ct2 = ctranslate2.converters.OpusMTConverter(str(directory)).convert(str(tmp_path / "ct2"))
-  model = marian.read_marian_release(str(directory))
+  model = marian_formats.read_marian_release(str(directory))
   assert model.config.share_embeddings == variant.get("shared", True)
   _check_scores(model, ct2, pieces)
 
 
 def test_the_hugging_face_format_gives_the_same_model(release, tmp_path):
   directory, weights, pieces, ct2 = release
-  hf = marian.read_hf_directory(str(write_hf(tmp_path / "hf", weights, pieces, directory)))
-  npz = marian.read_marian_release(str(directory))
+  hf = marian_formats.read_hf_directory(str(write_hf(tmp_path / "hf", weights, pieces, directory)))
+  npz = marian_formats.read_marian_release(str(directory))
   assert hf.config == npz.config and hf.pieces == npz.pieces
   for a, b in zip(jax.tree.leaves(marian.params_from_marian(hf.weights, hf.config)),
                   jax.tree.leaves(marian.params_from_marian(npz.weights, npz.config))):
@@ -333,7 +333,7 @@ def test_the_import_of_a_trained_model_is_that_model(trained_release):
   fixture's, but for the rows of PAD and BOS (zero: Marian has none) and the
   logits bias (-1e9 on PAD and BOS, else the fixture's none: 0)."""
   directory, _, params = trained_release
-  model = marian.read_marian_release(str(directory))
+  model = marian_formats.read_marian_release(str(directory))
   imported = marian.params_from_marian(model.weights, model.config)
   embedding = imported["embeddings"]["embedding"]["embedding"]
   fixture_embedding = params["embeddings"]["embedding"]["embedding"]
@@ -412,7 +412,7 @@ def test_import_refusals_name_the_problem(release, tmp_path, monkeypatch):
   hf = write_hf(tmp_path / "hf", weights, pieces, directory)
   (hf / "model.safetensors").rename(hf / "pytorch_model.bin")
   with pytest.raises(ValueError, match="pytorch_model.bin but no model.safetensors.*torch"):
-    marian.read_model(str(hf))
+    marian_formats.read_model(str(hf))
   workdir = marian.import_model(str(directory), str(tmp_path / "w"))
   with pytest.raises(FileExistsError, match="--force"):
     marian.import_model(str(directory), workdir)
@@ -422,13 +422,13 @@ def test_import_refusals_name_the_problem(release, tmp_path, monkeypatch):
   other = tmp_path / "release2"
   write_release(other, activation="gelu")
   with pytest.raises(ValueError, match="activation 'gelu'"):
-    marian.read_model(str(other))
+    marian_formats.read_model(str(other))
   # A hub id goes through huggingface_hub (here a stand-in: no network in tests).
   import huggingface_hub
   hf_ok = write_hf(tmp_path / "hub", weights, pieces, directory)
   monkeypatch.setattr(huggingface_hub, "snapshot_download",
                       lambda repo_id, revision=None, allow_patterns=None: str(hf_ok))
-  model = marian.read_model("Helsinki-NLP/opus-mt-xx-yy")
+  model = marian_formats.read_model("Helsinki-NLP/opus-mt-xx-yy")
   assert model.pieces == pieces
 
 

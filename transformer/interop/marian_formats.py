@@ -1,0 +1,384 @@
+"""Reading a Marian / OPUS-MT model from its files, in either format, into a
+`MarianModel` (Marian-NMT's parameter names, this project's model config, the
+vocabulary, the SentencePiece models), without torch. `marian.py` maps it
+onto this project's parameters and writes the workdir.
+
+  * a Hugging Face Marian model (`config.json`, `model.safetensors` read with
+    `safetensors.numpy`, `source.spm`, `target.spm`, `vocab.json`): a local
+    directory, or a hub id downloaded with `huggingface_hub`;
+  * an OPUS-MT release of Marian-NMT (`decoder.yml` naming the model `.npz`,
+    its options in `special:model.yml`, and its vocabulary `.yml`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from transformer.data import marian_tokenizer
+from transformer.model.config import TransformerConfig
+
+LAYER_NORM_EPSILON = 1e-5  # torch's, which Hugging Face's Marian and CTranslate2 use
+MAX_LEN = 512              # Hugging Face's max_position_embeddings for OPUS-MT
+HF_FILES = ("config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json")
+
+@dataclasses.dataclass
+class MarianModel:
+  """A Marian model read from either format, in Marian-NMT's own terms.
+
+  weights: Marian-NMT's parameter names (`Wemb`, `encoder_l1_self_Wq`, ...;
+    matrices `[in, out]`, biases `[1, out]`), float32, Marian's vocabulary
+    (no `<pad>` row).
+  config: this project's model config (ids and vocab_size already ours).
+  pieces: the vocabulary in Marian's id order (`</s>`, `<unk>`, ...).
+  """
+  weights: dict[str, np.ndarray]
+  config: TransformerConfig
+  pieces: list[str]
+  source_spm: bytes
+  target_spm: bytes
+  origin: str
+
+
+class MarianImportError(ValueError):
+  """A model this importer cannot read, with what to do (subclass of ValueError)."""
+
+
+def marian_config(*, vocab_size: int, d_model: int, num_heads: int, d_ff: int,
+                  num_encoder_layers: int, num_decoder_layers: int, activation: str,
+                  normalization: str, share_embeddings: bool, logits_via_embedding: bool,
+                  dropout_rate: float = 0.1,
+                  attention_dropout_rate: float = 0.0) -> TransformerConfig:
+  """The TransformerConfig of a Marian model of `vocab_size` Marian ids."""
+  return TransformerConfig(
+      vocab_size=vocab_size + 2, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
+      num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
+      max_len=MAX_LEN, dropout_rate=dropout_rate,
+      attention_dropout_rate=attention_dropout_rate, share_embeddings=share_embeddings,
+      logits_via_embedding=logits_via_embedding, normalization=normalization,
+      activation=activation, logits_bias=True, positional="sinusoidal",
+      layer_norm_epsilon=LAYER_NORM_EPSILON, pad_id=0, eos_id=1, bos_id=2)
+
+
+def _activation(name: str, where: str) -> str:
+  if name in ("swish", "silu"):
+    return "swish"
+  if name == "relu":
+    return "relu"
+  raise MarianImportError(f"{where}: the FFN activation {name!r} is not one this model computes "
+                     "exactly (swish, relu)")
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face Marian (config.json, model.safetensors, vocab.json, *.spm)
+# ----------------------------------------------------------------------------
+
+
+def read_hf_directory(path: str) -> MarianModel:
+  """A Hugging Face Marian model directory, read with safetensors.numpy."""
+  from safetensors.numpy import load_file
+
+  _check_hf_files(path)
+  hf = _json(os.path.join(path, "config.json"))
+  where = os.path.join(path, "config.json")
+  if hf.get("model_type") != "marian":
+    raise MarianImportError(f"{where}: model_type {hf.get('model_type')!r}, not 'marian'")
+  vocab = _json(os.path.join(path, "vocab.json"))
+  pieces = [piece for piece, _ in sorted(vocab.items(), key=lambda item: item[1])]
+  if sorted(vocab.values()) != list(range(len(vocab))):
+    raise MarianImportError(f"{os.path.join(path, 'vocab.json')}: its ids are not 0 ... "
+                       f"{len(vocab) - 1}")
+  if os.path.exists(os.path.join(path, "target_vocab.json")) or (
+      hf.get("decoder_vocab_size") not in (None, hf["vocab_size"])):
+    raise MarianImportError(f"{path}: separate source and target vocabularies (target_vocab."
+                       "json, decoder_vocab_size) are not supported: this model has one "
+                       "vocabulary for both sides")
+  # Hugging Face's conversion appends <pad> (pad = decoder start = the last id).
+  pad = hf.get("pad_token_id", len(pieces) - 1)
+  if pad != len(pieces) - 1 or pieces[pad] != "<pad>" or hf.get("eos_token_id", 0) != 0:
+    raise MarianImportError(f"{where}: expected Marian's ids (eos 0, <pad> the last id "
+                       f"{len(pieces) - 1}), got eos {hf.get('eos_token_id')}, pad {pad}")
+  if hf.get("vocab_size") != len(pieces):
+    raise MarianImportError(f"{where}: vocab_size {hf.get('vocab_size')} but vocab.json has "
+                       f"{len(pieces)} pieces")
+  pieces = pieces[:-1]
+  marian_tokenizer.check_marian_pieces(pieces, os.path.join(path, "vocab.json"))
+  if not hf.get("scale_embedding", False):
+    raise MarianImportError(f"{where}: scale_embedding is false; this model always scales the "
+                       "embeddings by sqrt(d_model), as Marian does")
+  for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"),
+                   ("encoder_ffn_dim", "decoder_ffn_dim")):
+    if hf[enc] != hf[dec]:
+      raise MarianImportError(f"{where}: {enc}={hf[enc]} but {dec}={hf[dec]}; this model has "
+                         "one value for both")
+  share = bool(hf.get("share_encoder_decoder_embeddings", True))
+  tied = bool(hf.get("tie_word_embeddings", True))
+  config = marian_config(
+      vocab_size=len(pieces), d_model=hf["d_model"], num_heads=hf["encoder_attention_heads"],
+      d_ff=hf["encoder_ffn_dim"], num_encoder_layers=hf["encoder_layers"],
+      num_decoder_layers=hf["decoder_layers"],
+      activation=_activation(hf.get("activation_function", "swish"), where),
+      normalization="post", share_embeddings=share, logits_via_embedding=tied,
+      dropout_rate=float(hf.get("dropout", 0.1)),
+      attention_dropout_rate=float(hf.get("attention_dropout", 0.0)))
+  tensors = load_file(os.path.join(path, "model.safetensors"))
+  weights = _marian_names(tensors, config, share, tied, os.path.join(path, "model.safetensors"))
+  return MarianModel(weights, config, pieces, _read(path, "source.spm"),
+                     _read(path, "target.spm"), origin=os.path.abspath(path))
+
+
+def _check_hf_files(path: str) -> None:
+  missing = [name for name in HF_FILES if not os.path.exists(os.path.join(path, name))]
+  if "model.safetensors" in missing and os.path.exists(os.path.join(path, "pytorch_model.bin")):
+    raise MarianImportError(
+        f"{path} has pytorch_model.bin but no model.safetensors: the .bin file is a torch "
+        "pickle, which this importer does not read (no torch here). Use a revision that has "
+        "model.safetensors (on the hub, --revision=refs/pr/<N> of the safetensors "
+        "conversion), or convert it where torch is installed: "
+        "transformers.MarianMTModel.from_pretrained(dir).save_pretrained(dir, "
+        "safe_serialization=True)")
+  if missing:
+    raise MarianImportError(f"{path} is not a Hugging Face Marian model directory: missing "
+                       f"{', '.join(missing)}")
+
+
+def _marian_names(tensors: dict, config: TransformerConfig, share: bool, tied: bool,
+                  where: str) -> dict[str, np.ndarray]:
+  """Hugging Face Marian tensors -> Marian-NMT names, `[in, out]` matrices, no
+  `<pad>` row (Hugging Face's conversion adds it as the last id)."""
+  def get(name):
+    for candidate in (name, name.removeprefix("model.")):
+      if candidate in tensors:
+        return np.asarray(tensors[candidate], np.float32)
+    raise MarianImportError(f"{where}: no tensor {name!r}")
+
+  out = {}
+
+  def linear(hf, marian, suffix):
+    out[f"{marian}_W{suffix}"] = get(f"{hf}.weight").T  # torch [out, in] -> [in, out]
+    out[f"{marian}_b{suffix}"] = get(f"{hf}.bias")[None]
+
+  def norm(hf, marian):
+    out[f"{marian}_ln_scale"] = get(f"{hf}.weight")[None]
+    out[f"{marian}_ln_bias"] = get(f"{hf}.bias")[None]
+
+  for side, count in (("encoder", config.num_encoder_layers),
+                      ("decoder", config.num_decoder_layers)):
+    _check_positions(tensors, side, config.d_model, where)
+    for i in range(count):
+      hf, marian = f"model.{side}.layers.{i}", f"{side}_l{i + 1}"
+      attentions = [("self_attn", "self")] + ([("encoder_attn", "context")]
+                                              if side == "decoder" else [])
+      for hf_attn, marian_attn in attentions:
+        for x in "qkv":
+          linear(f"{hf}.{hf_attn}.{x}_proj", f"{marian}_{marian_attn}", x)
+        linear(f"{hf}.{hf_attn}.out_proj", f"{marian}_{marian_attn}", "o")
+        norm(f"{hf}.{hf_attn}_layer_norm", f"{marian}_{marian_attn}_Wo")
+      linear(f"{hf}.fc1", f"{marian}_ffn", "1")
+      linear(f"{hf}.fc2", f"{marian}_ffn", "2")
+      norm(f"{hf}.final_layer_norm", f"{marian}_ffn_ffn")
+  if share:
+    out["Wemb"] = get("model.shared.weight")[:-1]
+  else:
+    out["encoder_Wemb"] = get("model.encoder.embed_tokens.weight")[:-1]
+    out["decoder_Wemb"] = get("model.decoder.embed_tokens.weight")[:-1]
+  if not tied:
+    out["decoder_ff_logit_out_Wt"] = get("lm_head.weight")[:-1]
+  if "final_logits_bias" in tensors:
+    out["decoder_ff_logit_out_b"] = np.asarray(tensors["final_logits_bias"],
+                                               np.float32).reshape(1, -1)[:, :-1]
+  return out
+
+
+def _check_positions(tensors: dict, side: str, d_model: int, where: str) -> None:
+  """A stored position table must be Marian's sinusoid (not learned positions)."""
+  name = f"model.{side}.embed_positions.weight"
+  if name not in tensors:
+    return
+  table = np.asarray(tensors[name], np.float32)
+  if not np.allclose(table, marian_position_table(table.shape[0], d_model), atol=1e-4):
+    raise MarianImportError(f"{where}: {name} is not Marian's sinusoidal table (learned "
+                       "positions are not imported)")
+
+
+def marian_position_table(length: int, d_model: int) -> np.ndarray:
+  """Marian's `[length, d_model]` table: sin(pos / 10000^(2i/d)) in the first
+  half, cos(...) in the second, positions from 0."""
+  angles = (np.arange(length)[:, None]
+            / np.power(10000.0, 2 * np.arange(d_model // 2) / d_model)[None])
+  return np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+
+
+# ----------------------------------------------------------------------------
+# An OPUS-MT release of Marian-NMT (decoder.yml, model .npz, vocab .yml, *.spm)
+# ----------------------------------------------------------------------------
+
+
+def read_marian_release(path: str) -> MarianModel:
+  """An OPUS-MT Marian-NMT release directory (its decoder.yml names the rest)."""
+  import yaml
+
+  decoder_yml = os.path.join(path, "decoder.yml")
+  with open(decoder_yml, encoding="utf-8") as f:
+    decoder = yaml.safe_load(f)
+  try:
+    model_file = os.path.join(path, decoder["models"][0])
+    vocab_files = [os.path.join(path, v) for v in decoder["vocabs"]]
+  except (KeyError, IndexError, TypeError):
+    raise MarianImportError(f"{decoder_yml}: expected 'models: [<file>.npz]' and 'vocabs: "
+                       "[<source>.yml, <target>.yml]'") from None
+  for name in [model_file, *vocab_files, os.path.join(path, "source.spm"),
+               os.path.join(path, "target.spm")]:
+    if not os.path.exists(name):
+      raise MarianImportError(f"{path}: {os.path.basename(name)} is missing (named by "
+                         f"{decoder_yml}, or the SentencePiece model of a side)")
+  vocabs = [load_marian_vocab(v) for v in vocab_files]
+  if any(v != vocabs[0] for v in vocabs):
+    raise MarianImportError(f"{decoder_yml}: separate source and target vocabularies are not "
+                       "supported: this model has one vocabulary for both sides")
+  marian_tokenizer.check_marian_pieces(vocabs[0], vocab_files[0])
+  npz = np.load(model_file)
+  weights = {name: npz[name] for name in npz.files if not name.startswith("special:")}
+  options = _npz_options(npz, model_file)
+  config = _config_from_options(options, len(vocabs[0]), weights, model_file)
+  return MarianModel(weights, config, vocabs[0], _read(path, "source.spm"),
+                     _read(path, "target.spm"), origin=os.path.abspath(path))
+
+
+def _npz_options(npz, where: str) -> dict:
+  import yaml
+
+  if "special:model.yml" not in npz.files:
+    raise MarianImportError(f"{where}: no 'special:model.yml' (the model's options)")
+  raw = np.asarray(npz["special:model.yml"]).astype(np.uint8).tobytes().rstrip(b"\0")
+  return yaml.safe_load(raw.decode("utf-8"))
+
+
+def _config_from_options(options: dict, vocab_size: int, weights: dict,
+                         where: str) -> TransformerConfig:
+  """Marian-NMT's model options -> TransformerConfig, refusing what differs."""
+  def need(ok, problem):
+    if not ok:
+      raise MarianImportError(f"{where}: {problem}")
+
+  need(options.get("type") == "transformer", f"--type {options.get('type')!r}, not transformer")
+  need(options.get("transformer-decoder-autoreg", "self-attention") == "self-attention",
+       "only --transformer-decoder-autoreg self-attention is imported")
+  need(int(options.get("transformer-ffn-depth", 2)) == 2 and
+       int(options.get("transformer-decoder-ffn-depth", 0) or 2) == 2,
+       "only a two-layer FFN (--transformer-ffn-depth 2) is imported")
+  d_ff = int(options["transformer-dim-ffn"])
+  need(int(options.get("transformer-decoder-dim-ffn", 0) or d_ff) == d_ff,
+       "the decoder's FFN width differs from the encoder's")
+  need(not options.get("transformer-train-position-embeddings", False),
+       "learned positions (--transformer-train-position-embeddings) are not imported")
+  need(options.get("transformer-postprocess-emb", "d") in ("d", ""),
+       "a LayerNorm on the embeddings (--transformer-postprocess-emb n) is not imported")
+  need(not options.get("transformer-tied-layers"), "tied layers are not imported")
+  layout = (options.get("transformer-preprocess", ""),
+            options.get("transformer-postprocess", "dan"),
+            options.get("transformer-postprocess-top", ""))
+  need(layout in (("", "dan", ""), ("n", "da", "n")),
+       f"pre/post-processing {layout} is neither post-LN ('', 'dan', '') nor pre-LN "
+       "('n', 'da', 'n')")
+  heads = int(options["transformer-heads"])
+  return marian_config(
+      vocab_size=vocab_size, d_model=int(options["dim-emb"]), num_heads=heads, d_ff=d_ff,
+      num_encoder_layers=int(options["enc-depth"]), num_decoder_layers=int(options["dec-depth"]),
+      activation=_activation(options.get("transformer-ffn-activation", "swish"), where),
+      normalization="pre" if layout[0] == "n" else "post",
+      share_embeddings="Wemb" in weights,
+      logits_via_embedding="decoder_ff_logit_out_Wt" not in weights,
+      dropout_rate=float(options.get("transformer-dropout", 0.1)),
+      attention_dropout_rate=float(options.get("transformer-dropout-attention", 0.0)))
+
+
+def load_marian_vocab(path: str) -> list[str]:
+  """A Marian vocabulary `.yml` (piece: id per line) -> pieces in id order.
+
+  Parsed line by line, as Marian writes it (PyYAML reads some pieces, e.g.
+  'yes', '~' or '1.0', as other things than strings)."""
+  import yaml
+
+  entries, complex_key = {}, None
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      line = line.rstrip("\n\r")
+      if not line.strip():
+        continue
+      if line.startswith("? "):  # a long key: "? <piece>", then ": <id>"
+        complex_key = line[2:]
+        continue
+      if complex_key is not None:
+        key, sep, value = complex_key, ":", line.removeprefix(":")
+        complex_key = None
+      else:
+        key, sep, value = line.rpartition(":")
+      try:
+        index = int(value)
+      except ValueError:
+        index = None
+      if not sep or index is None:
+        raise MarianImportError(f"{path}, line {number}: expected '<piece>: <id>', got {line!r}")
+      if key.startswith(('"', "'")):  # quoted: YAML's own rules for the string
+        key = yaml.safe_load(key)
+      entries[index] = key
+  if sorted(entries) != list(range(len(entries))):
+    raise MarianImportError(f"{path}: its ids are not 0 ... {len(entries) - 1}")
+  return [entries[i] for i in range(len(entries))]
+
+
+# ----------------------------------------------------------------------------
+# Either format, a hub id, and the workdir
+# ----------------------------------------------------------------------------
+
+
+def _json(path: str):
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except ValueError as e:
+    raise MarianImportError(f"{path} is not valid JSON ({e})") from None
+
+
+def _read(path: str, name: str) -> bytes:
+  with open(os.path.join(path, name), "rb") as f:
+    return f.read()
+
+
+def read_model(model: str, *, revision: str | None = None) -> MarianModel:
+  """A Marian model from a local directory (Hugging Face or OPUS-MT release)
+  or, when no such directory exists, a Hugging Face hub id."""
+  if os.path.isdir(model):
+    if os.path.exists(os.path.join(model, "decoder.yml")):
+      return read_marian_release(model)
+    return read_hf_directory(model)
+  if os.path.exists(model):
+    raise MarianImportError(f"{model} is a file: give the directory of a Hugging Face Marian "
+                       "model or of an OPUS-MT release (with decoder.yml)")
+  return read_hf_directory(download(model, revision))
+
+
+def download(repo_id: str, revision: str | None = None) -> str:
+  """The local directory of hub model `repo_id` (huggingface_hub's cache)."""
+  try:
+    import huggingface_hub
+  except ImportError:
+    raise MarianImportError(f"{repo_id} is not a local directory, and downloading it from the "
+                       "Hugging Face hub needs huggingface_hub: pip install "
+                       "'transformer[interop]'") from None
+  path = huggingface_hub.snapshot_download(
+      repo_id, revision=revision,
+      allow_patterns=[*HF_FILES, "target_vocab.json", "tokenizer_config.json"])
+  if not os.path.exists(os.path.join(path, "model.safetensors")):
+    files = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    if "pytorch_model.bin" in files:
+      raise MarianImportError(
+          f"{repo_id} has pytorch_model.bin but no model.safetensors at revision "
+          f"{revision or 'main'}: the .bin file is a torch pickle, which this importer does "
+          "not read. Look for a safetensors conversion among the repository's pull requests "
+          "and pass --revision=refs/pr/<N>")
+  return path
