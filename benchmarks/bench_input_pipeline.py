@@ -1,7 +1,7 @@
 """The input pipeline against what an accelerator eats: training batches per
 second, examples and target tokens per second, and per CPU core, from the text
 (tokenized every epoch) and from prepared shards (data/prepared.py), packed;
-optionally with grain worker processes. Then what the paper's base model
+optionally with grain worker processes (train.py's `config.data.workers`). Then what the paper's base model
 (configs/wmt14_base.py: 96 rows x 256 tokens a step) needs on one H100 at 50%
 MFU (flops.py's FLOP model, the rated bfloat16 peak flops.RATED_PEAKS) and the
 ratio.
@@ -123,13 +123,9 @@ def _cpu_seconds(process: psutil.Process) -> float:
 
 def measure(source, tokenizer, *, workers: int, seconds: float, warmup: int = 20) -> dict:
   """Throughput of the packed training pipeline of `source` (pairs or a PreparedCorpus)."""
-  import grain
-  ds = data.train_dataset(source, tokenizer, batch_size=BATCH, max_length=LENGTH, seed=0,
-                          pack=True, prefetch=0 if workers else 2)
-  if workers:
-    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers,
-                                                     per_worker_buffer_size=4))
-  it = iter(ds)
+  # train.py's own iterator (config.data.workers = `workers`)
+  it = data.train_iterator(source, tokenizer, batch_size=BATCH, max_length=LENGTH, seed=0,
+                           pack=True, workers=workers)
   for _ in range(warmup):
     next(it)
   me = psutil.Process()
@@ -222,8 +218,6 @@ def main() -> None:
   parser.add_argument("--memory", default="", help="pair counts for the memory table")
   parser.add_argument("--only_memory", action="store_true", help="skip the throughput table")
   args = parser.parse_args()
-  from absl import flags
-  flags.FLAGS.mark_as_parsed()  # (grain's worker processes read absl flags)
 
   need = needed()
   print(f"transformer-base (wmt14_base, {BATCH} x {LENGTH} a step, vocabulary 37,000): "

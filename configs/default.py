@@ -27,6 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
       # process): host memory flat in the corpus's size, nothing re-tokenized.
       prepared=False,
       prepared_dir="",          # empty: <workdir>/prepared
+      # Grain worker processes building the training batches (0: in this process;
+      # -1: auto, 4 per GPU/TPU and 0 on a CPU). Each count gives its own batches:
+      # a run resumes with the count it started with.
+      workers=0,
   ))
   config.vocab_path = ""        # empty: train SentencePiece into <workdir>/vocab.model
   # Fine-tuning: start from another workdir's parameters (its checkpoint

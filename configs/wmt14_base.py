@@ -31,6 +31,9 @@ def get_config():
   # held in memory nor tokenized again every epoch. Several processes: run
   # `python -m transformer.training.prepare` with the same flags first.
   config.data.prepared = True
+  # The batches built in grain worker processes, 4 per GPU (one core packs ~0.6
+  # of what an H100 trains on); none on a CPU.
+  config.data.workers = -1
   config.vocab_size = 37000                    # shared source-target vocabulary
   config.vocab_model_type = "bpe"              # the paper: byte-pair encoding
   config.vocab_max_sentences = 2_000_000

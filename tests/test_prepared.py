@@ -140,6 +140,35 @@ def test_resume_mid_epoch_continues_identically(pairs, tok, tsv, tmp_path):
     resumed.close()
 
 
+
+def test_worker_processes_pack_each_example_of_the_corpus_once(pairs, tok, tsv, tmp_path):
+  """workers=2 (grain worker processes): every packed segment is an example of
+  the corpus, none twice within an epoch, and the same batches again from a
+  fresh pool; a position saved by 2 workers is refused by another count."""
+  corpus = _prepare(tsv, tok, str(tmp_path / "prep"))
+  options = dict(batch_size=8, max_length=24, seed=1, workers=2)
+  examples = {(tuple(tok.encode(s) + [EOS_ID]), tuple(tok.encode(t) + [EOS_ID]))
+              for s, t in pairs}
+
+  def segments(batch):
+    for row in range(len(batch["inputs"])):
+      for seg in range(1, batch["inputs_segment_ids"][row].max() + 1):
+        yield tuple(tuple(batch[key][row][batch[f"{key}_segment_ids"][row] == seg])
+                    for key in ("inputs", "targets"))
+
+  first = _batches(corpus, tok, 30, **options)
+  seen = [s for batch in first for s in segments(batch)]
+  assert 200 < len(seen) < len(pairs)                  # (within the first epoch)
+  assert set(seen) <= examples and len(set(seen)) == len(seen)
+  _assert_same(_batches(corpus, tok, 30, **options), first)
+  it = data.train_iterator(corpus, tok, **options)
+  next(it)
+  state = it.get_state()
+  it.close()
+  for other in (0, 3):
+    with pytest.raises(data_sources.DataError, match="set config.data.workers=2"):
+      data.check_position_workers(state, other)
+
 def test_a_changed_corpus_is_refused(pairs, tok, tsv, tmp_path):
   directory = str(tmp_path / "prep")
   _prepare(tsv, tok, directory)

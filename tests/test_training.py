@@ -385,6 +385,7 @@ def test_bad_configs_fail_before_training(tmp_path):
   for overrides, match in [({"num_train_steps": 0}, "num_train_steps"),
                            ({"batch_size": 0}, "batch_size"),
                            ({"average_last": 4}, "average_last=4 .*keep_checkpoints=3"),
+                           ({"data.workers": -2}, r"data.workers=-2 must be >= 0 .* -1 \(auto"),
                            ({"model.bogus": 1}, "bogus")]:
     config = train_worker.tiny_config()
     if "model.bogus" in overrides:
@@ -395,6 +396,17 @@ def test_bad_configs_fail_before_training(tmp_path):
       training.train_and_evaluate(config, str(tmp_path / "w"), quiet=True)
   assert not (tmp_path / "w" / "checkpoints").exists()
 
+
+
+def test_auto_data_workers_are_four_per_accelerator_and_none_on_a_cpu(monkeypatch):
+  config = train_worker.tiny_config({"data.workers": -1})
+  assert training.data_workers(config) == 0               # this CPU: its cores train
+  monkeypatch.setattr(training.jax, "default_backend", lambda: "gpu")
+  for devices, cores, expected in [(1, 16, 4), (8, 96, 32), (8, 16, 15), (1, 1, 0)]:
+    monkeypatch.setattr(training.jax, "local_device_count", lambda: devices)
+    monkeypatch.setattr(training, "available_cores", lambda: cores)
+    assert training.data_workers(config) == expected, (devices, cores)
+  assert training.data_workers(train_worker.tiny_config({"data.workers": 3})) == 3
 
 def test_the_finetune_recipe_names_init_from_when_it_is_missing():
   from transformer.configs import finetune
@@ -731,6 +743,32 @@ def test_training_from_prepared_shards_is_training_from_the_text(tmp_path, refer
         "data.prepared": True, "data.demo_seed": 1, "vocab_path": str(tmp_path / "vocab.model"),
         "data.prepared_dir": str(tmp_path / "prepared")}))
 
+
+
+def test_grain_worker_processes_resume_exactly_and_refuse_another_count(tmp_path,
+                                                                        compilation_cache):
+  """config.data.workers=2: the batches come from two grain worker processes;
+  3 steps, then the same workdir to 6, ends bit for bit where 6 steps in one go
+  end; resuming with another worker count (other batches) is refused in one
+  sentence that names the setting."""
+  workers = {"num_train_steps": 6, "checkpoint_every": 3, "log_every": 1,
+             "adam_eps": COMPARABLE_ADAM_EPS, "data.workers": 2}
+  reference = train(tmp_path / "reference", workers)
+  alone = train(tmp_path / "in_process", dict(workers, **{"data.workers": 0}))
+  assert train_losses(tmp_path / "reference") != train_losses(tmp_path / "in_process")
+  train(tmp_path / "run", dict(workers, num_train_steps=3))
+  with pytest.raises(data_sources.DataError, match=r"saved with 2 grain worker processes, "
+                     r"and this run has 0: set config.data.workers=2"):
+    train(tmp_path / "run", dict(workers, **{"data.workers": 0}))
+  resumed = train(tmp_path / "run", workers)
+  state, data_state = load_state(tmp_path / "run", workers)
+  ref_state, ref_data_state = load_state(tmp_path / "reference", workers)
+  assert int(state["step"]) == 6 and data_state["grain_workers"] == 2
+  assert_trees_equal(state, ref_state)
+  assert data_state == ref_data_state
+  assert train_losses(tmp_path / "run") == train_losses(tmp_path / "reference")
+  assert resumed.eval == reference.eval
+  assert alone.step == 6
 
 # Kill anywhere, lose nothing: the soak test. Runs of the REF config (eval
 # every 6 steps, so that evaluations happen inside the loop too; evaluation

@@ -89,6 +89,7 @@ RESUMABLE_FIELDS = (
     "data.tfds_data_dir", "state_sharding", "shared_workdir",
     "init_from",  # (read at step 0 only; a resumed run continues from its own checkpoint)
     "data.prepared", "data.prepared_dir",  # the same batches from the text or its shards
+    "data.workers",  # (the data position records its worker count: another is refused then)
 )
 
 logger = logging.getLogger(__name__)

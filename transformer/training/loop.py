@@ -31,6 +31,7 @@ import numpy as np
 
 from transformer.data import pipeline as data
 from transformer.data import sources as data_sources
+from transformer.data.tokenizer import available_cores
 from transformer.model import attention_choice
 from transformer.runtime import (averaging, checkpoints, multihost, parallel, preemption,
                                  run_lock, run_log)
@@ -225,10 +226,26 @@ def _time_budget(config, ckpt: checkpoints.Checkpointer, num_test: int,
 def _train_iterator(config, train_pairs, tokenizer):
   """This process's shard of the training data, packed into token batches."""
   process_index, process_count = parallel.process_info()
+  workers = data_workers(config)
+  if workers:
+    logger.info("Training batches are built in %d grain worker processes.", workers)
   return data.train_iterator(
       train_pairs, tokenizer, batch_size=config.batch_size // process_count,
       max_length=config.max_length, seed=config.seed, shard_index=process_index,
-      shard_count=process_count, pack=config.pack)
+      shard_count=process_count, pack=config.pack, workers=workers)
+
+
+def data_workers(config) -> int:
+  """config.data.workers, with -1 ("auto") resolved: on GPUs / TPUs 4 worker
+  processes per local accelerator, leaving one core for the training loop
+  (one core packs ~0.6 of what an H100 trains transformer-base on:
+  docs/benchmarks.md); 0 on a CPU, whose cores train the model."""
+  workers = int(config.data.get("workers", 0))
+  if workers != -1:
+    return workers
+  if jax.default_backend() == "cpu":
+    return 0
+  return max(0, min(4 * jax.local_device_count(), available_cores() - 1))
 
 
 def _resume(ckpt: checkpoints.Checkpointer, state: dict, train_iter, workdir: str):
@@ -238,6 +255,7 @@ def _resume(ckpt: checkpoints.Checkpointer, state: dict, train_iter, workdir: st
   if start_step:
     state, data_state = ckpt.restore(state)
     if data_state is not None:
+      data.check_position_workers(data_state, getattr(train_iter, "workers", 0))
       train_iter.set_state(data_state)
     logger.info("Resumed from step %d in %s", start_step, workdir)
   return state, start_step

@@ -135,6 +135,9 @@ def check_train_config(config) -> None:
         f"config.average_last={config.average_last} cannot average more checkpoints than "
         f"config.keep_checkpoints={config.keep_checkpoints} keeps: set "
         f"--config.keep_checkpoints={config.average_last} or lower --config.average_last.")
+  if int(config.data.get("workers", 0)) < -1:
+    raise ValueError(f"config.data.workers={config.data.workers} must be >= 0 (worker "
+                     "processes building the training batches) or -1 (auto).")
   if config.get("shared_workdir", "auto") not in multihost.SHARED_WORKDIR_CHOICES:
     raise ValueError(f"config.shared_workdir={config.shared_workdir!r} must be one of "
                      f"{multihost.SHARED_WORKDIR_CHOICES} (auto: found out at the start).")
