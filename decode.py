@@ -237,9 +237,10 @@ def run() -> None:
   def plot(first_line, sources, results):  # (matplotlib: imported only when asked for)
     nonlocal plots
     from transformer import plotting
-    best = [hyps[0].text for hyps in results]
-    plots += plotting.save_cross_attention_plots(translator, sources, best, plot_dir,
-                                                 first_line=first_line)
+    for k, hyps in enumerate(results):  # (None: a line another process decoded)
+      if hyps is not None:
+        plots += plotting.save_cross_attention_plots(
+            translator, sources[k:k + 1], [hyps[0].text], plot_dir, first_line=first_line + k)
   run_key = {"workdir": os.path.abspath(workdir), "checkpoint": described}
   try:
     stats = streaming.decode_file(

@@ -156,7 +156,7 @@ def make_markov_model(log_table):
 # Arguments that fix shapes or Python control flow; the others (ids, lengths,
 # alpha, temperature, top_p, the PRNG key) are passed traced, which checks that
 # nothing is hard-coded and lets tests share compilations.
-STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache")
+STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache", "shrink")
 # Compiling dominates the run time of these tests; XLA's -O0 cuts it by about a
 # third and does not change what is computed.
 jit = functools.partial(jax.jit,
@@ -183,7 +183,9 @@ def _split_args(strategy, kwargs):
         "batch_size", "max_len"):
       continue
     value = kwargs.get(name, param.default)
-    if name == "rng":
+    if value is None:  # (an option left out: empty_rows)
+      continue
+    if name in ("rng", "empty_rows"):
       dynamic[name] = value
     elif name in ("bos_id", "eos_id", "min_len"):
       dynamic[name] = jnp.int32(value)
@@ -416,6 +418,7 @@ def test_early_exit_stops_decoding():
   assert calls == max_len
   seqs, calls = count_calls(decoding.greedy_search)  # Sampling shares its loop.
   assert (seqs[:, 2] == eos_id).all() and calls == expected_calls
+
 
 
 def test_beam_search_rejects_a_cache_without_the_batch_on_axis_0():
@@ -655,6 +658,95 @@ def test_rows_do_not_depend_on_each_other(name):
   np.testing.assert_allclose(a[1][0], b[1][0], rtol=1e-6)
   assert not np.array_equal(a[0][1:], b[0][1:])
 
+
+# Shrinking: the 12 inputs of OFFSETS go on in 6, then 3 rows as they finish.
+SHRINK = decoding.Shrink(factor=2, min_rows=2)
+
+
+def test_unfinished_first_is_a_stable_partition():
+  rng = np.random.default_rng(0)
+  for n in (1, 5, 32):
+    for _ in range(20):
+      unfinished = rng.random(n) < rng.random()
+      np.testing.assert_array_equal(decoding._unfinished_first(jnp.asarray(unfinished)),
+                                    np.argsort(~unfinished, kind="stable"))
+
+
+def test_shrink_sizes():
+  assert SHRINK.sizes(12) == [12, 6, 3]
+  assert decoding.Shrink().sizes(32) == [32, 8] and decoding.Shrink().sizes(128) == [128, 32, 8]
+  assert decoding.Shrink().sizes(16) == [16] and decoding.Shrink().sizes(24) == [24]
+  assert decoding.Shrink(factor=2, min_rows=2, multiple_of=4).sizes(24) == [24, 12]
+
+
+def _shrink_case(name, seed):
+  strategy, extra = STRATEGIES[name]
+  eos_id = 3
+  table = random_table(200 + seed, VOCAB)
+  # EOS likely in some states, unlikely in others: rows end far apart (beam
+  # search stops an input later, once no alive hypothesis can win: more EOS).
+  shift = -1.0 if name == "beam" else -3.5
+  table[:, eos_id] += np.random.default_rng(seed).normal(size=N_STATES) * 2 + shift
+  kw = dict(max_len=40, bos_id=0, eos_id=eos_id, **extra)
+  if name == "sample":  # a key per row: a row's draws then do not depend on its batch
+    kw["rng"] = jax.random.split(jax.random.key(5 + seed), len(OFFSETS))
+  return strategy, table, kw
+
+
+# Cases whose batch does shrink (test_a_shrinking_batch_runs_its_steps_on_fewer_rows).
+SHRINKING = [("greedy", 0), ("greedy", 4), ("sample", 0), ("beam", 0), ("beam", 2)]
+
+
+@pytest.mark.parametrize("name,seed", SHRINKING)
+def test_shrinking_the_batch_changes_nothing(name, seed):
+  """Inputs that are done leave the batch (`Shrink`): every input's tokens and
+  scores are exactly those of the batch decoded whole."""
+  strategy, table, kw = _shrink_case(name, seed)
+  full = run(strategy, table, OFFSETS, **kw)
+  shrunk = run(strategy, table, OFFSETS, shrink=SHRINK, **kw)
+  np.testing.assert_array_equal(shrunk[0], full[0])
+  np.testing.assert_array_equal(shrunk[1], full[1])
+
+
+@pytest.mark.parametrize("name,seed", SHRINKING)
+def test_a_shrinking_batch_runs_its_steps_on_fewer_rows(name, seed):
+  """The model is called on the rows of 12 inputs, then of 6 or 3 (a size is
+  skipped when the unfinished fit the next at once), never more again."""
+  strategy, table, kw = _shrink_case(name, seed)
+  beams = kw.get("beam_size", 1)
+  rows = []
+  model = make_hash_model(table, kw["max_len"])
+
+  def counting_model(token_ids, cache):
+    jax.debug.callback(lambda n: rows.append(int(n)), jnp.int32(token_ids.shape[0]))
+    return model(token_ids, cache)
+
+  jit(lambda c: strategy(counting_model, c, batch_size=len(OFFSETS), shrink=SHRINK, **kw))(
+      init_hash_cache(OFFSETS, kw["max_len"]))
+  jax.effects_barrier()
+  sizes = sorted(set(rows), reverse=True)
+  assert len(sizes) >= 2 and set(sizes) <= {12 * beams, 6 * beams, 3 * beams}, sizes
+  assert rows[0] == 12 * beams and rows == sorted(rows, reverse=True)
+
+
+def test_shrinking_sampling_needs_a_key_per_row():
+  with pytest.raises(ValueError, match="a key per row"):
+    sampling.sample(make_hash_model(random_table(0, VOCAB), 8), init_hash_cache(OFFSETS, 8),
+                    rng=jax.random.key(0), batch_size=len(OFFSETS), max_len=8, bos_id=0,
+                    eos_id=3, shrink=SHRINK)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_empty_rows_are_done_from_the_start_and_change_no_other_row(name):
+  strategy, table, kw = _shrink_case(name, 0)
+  empty = np.zeros(len(OFFSETS), bool)
+  empty[[0, 5]] = True
+  full = run(strategy, table, OFFSETS, **kw)
+  skipped = run(strategy, table, OFFSETS, empty_rows=jnp.asarray(empty), **kw)
+  np.testing.assert_array_equal(skipped[0][~empty], full[0][~empty])
+  np.testing.assert_array_equal(skipped[1][~empty], full[1][~empty])
+  assert (skipped[0][empty] == 0).all() and (full[0][empty] != 0).any()
+  assert (skipped[1][empty] == (-np.inf if name == "beam" else 0.0)).all()
 
 @pytest.mark.parametrize("n, k, ties", [(9000, 8, False), (9000, 8, True), (40000, 8, True),
                                         (131072, 16, False)])

@@ -1,7 +1,9 @@
 """Tests of transformer/model/transformer.py against independent references (float64 numpy,
 hand-worked examples, the paper's formulas)."""
 
+import dataclasses
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,8 @@ import pytest
 
 from transformer.model import kv_cache
 from transformer.model import transformer as M
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY = dict(vocab_size=40, d_model=32, num_heads=4, d_ff=64,
             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0)
@@ -399,6 +403,7 @@ def test_beam_search_with_in_place_cache_equals_full_forward_search():
   np.testing.assert_allclose(scores[:, 0], want_scores, rtol=1e-5)
 
 
+
 def unstack_scanned(params, cfg):
   """Scanned parameters (layers stacked on axis 0) -> the unrolled layout."""
   params = jax.tree_util.tree_map(lambda x: x, params)  # copy
@@ -591,3 +596,57 @@ def test_bfloat16_training_gradients_are_float32_and_close(normalization):
   flat16 = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(g16)])
   cosine = flat32 @ flat16 / (np.linalg.norm(flat32) * np.linalg.norm(flat16))
   assert cosine > 0.99
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, monkeypatch):
+  """The Translator's decoders drop finished inputs as they go
+  (`kv_cache.select_inputs`: the cache, its ancestry table and the encoder
+  memory of the inputs left; layers stacked by scan_layers or not). The
+  trained fixture model, 8 sentences of very different lengths shrinking by
+  halves to 2 rows: greedy and beam 4 (greedy only with stacked layers: the
+  same selection) give what decoding every row to the end gives
+  (`early_exit=False`, no shrinking), tokens and scores."""
+  from transformer.data import demo_task
+  from transformer.decoding import loader
+  from transformer.decoding import translator as translator_lib
+  monkeypatch.setattr(translator_lib, "SHRINK_FACTOR", 2)
+  monkeypatch.setattr(translator_lib, "SHRINK_MIN_ROWS", 2)
+  fixture = loader.load_translator(str(REPO / "tests" / "fixtures" / "workdir_d26a6fb"))
+  cfg, params = fixture.config, fixture.params
+  if scan_layers:
+    cfg = dataclasses.replace(cfg, scan_layers=True)
+    params = stack_layers(params, cfg)
+  translator = translator_lib.Translator(cfg, params, fixture.tokenizer)
+  assert translator._shrink(True).sizes(8) == [8, 4, 2]
+  pairs = demo_task.demo_splits(4, num_train=200, num_eval=1, num_test=1)["train"]
+  sentences = sorted({s for s, _ in pairs}, key=len)
+  # Short and long interleaved, 5 + 3: the rows kept are the 3 unfinished
+  # and a finished one filling the 4th row, not a prefix of the batch.
+  short, long = sentences[:5], sentences[-3:]
+  sentences = [short[0], long[0], short[1], long[1], short[2], long[2], *short[3:]]
+  encoded, _ = translator._encode(sentences)
+  src_len = translator_lib.bucket_length(max(map(len, encoded)), cfg.max_len)
+  inputs = translator_lib.pack_batch(encoded, 8, src_len, copies=1)
+  rows = np.arange(8, dtype=np.int32)
+  with jax.default_matmul_precision("highest"):
+    for method in ("greedy",) if scan_layers else ("greedy", "beam"):
+      out = {}
+      for early_exit in (True, False):
+        decode = translator._decode_fn(method, 8, src_len, 24, 4, 0, early_exit)
+        out[early_exit] = jax.device_get(decode(
+            translator.params, translator.logits_kernel, inputs, jax.random.key(0), rows,
+            rows, 0.6, 1.0, 1.0, 0))
+      np.testing.assert_array_equal(out[True][0], out[False][0], err_msg=method)
+      np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-5, err_msg=method)
+      best = out[False][0][:, 0]
+      ends = [list(row).index(cfg.eos_id) + 1 if cfg.eos_id in row else 24 for row in best]
+      assert min(ends) < 8 < max(ends), ends  # (rows leave at the first check)
+
+def stack_layers(params, cfg):
+  """The unrolled layout (layers_0, layers_1, ...) -> layers stacked on axis 0."""
+  params = jax.tree_util.tree_map(lambda x: x, params)  # copy
+  for side, n in (("encoder", cfg.num_encoder_layers), ("decoder", cfg.num_decoder_layers)):
+    layers = [params[side].pop(f"layers_{i}") for i in range(n)]
+    params[side]["layers"] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
+  return params

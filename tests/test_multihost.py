@@ -169,8 +169,10 @@ def test_process_shares_are_contiguous_and_cover_every_item(count):
 
 def test_one_process_does_everything_itself(tmp_path):
   assert jax.process_count() == 1
-  assert multihost.split_across_processes(lambda xs: [x.upper() for x in xs], ["a", "b"]) == [
-      "A", "B"]
+  shares = []
+  assert multihost.split_across_processes(
+      lambda xs, share: shares.append(share) or [x.upper() for x in xs], ["a", "b"]) == ["A", "B"]
+  assert shares == [(0, 1)]
   assert multihost.allgather_strings(["é", ""]) == ["é", ""]
   assert multihost.broadcast_bytes(b"\x00vocab") == b"\x00vocab"
   assert multihost.common_steps([4, 2]) == [2, 4]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from transformer.decoding.search import (NEG_INF, PyTree, TokensToLogits, argmax,
+from transformer.decoding.search import (NEG_INF, PyTree, Shrink, TokensToLogits, argmax,
                                          sampling_loop)
 
 
@@ -58,7 +58,8 @@ def filter_logits(logits: jax.Array, *, top_k: int = 0, top_p=1.0) -> jax.Array:
 def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
            batch_size: int, max_len: int, bos_id: int, eos_id: int,
            temperature=1.0, top_k: int = 0, top_p=1.0,
-           min_len: int = 0) -> tuple[jax.Array, jax.Array]:
+           min_len: int = 0, shrink: Shrink | None = None,
+           empty_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Ancestral sampling with temperature, top-k and top-p (nucleus) filtering.
 
   At every step the logits are divided by `temperature`, then restricted to
@@ -78,6 +79,9 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
     top_k: static int, 0 disables.
     top_p: in (0, 1]; 1.0 disables. May be a traced scalar.
     min_len: EOS is forbidden at steps t < min_len.
+    shrink: drop finished rows as they finish (`search.Shrink`; needs a key per
+      row, so that a row's draws do not depend on the batch it is in).
+    empty_rows: [batch] bool, rows with nothing to decode: finished from the start.
 
   Returns:
     sequences: [batch, max_len] int32 (EOS included, then 0).
@@ -85,20 +89,23 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
       (temperature 1, no top-k / top-p truncation; with the min_len
       constraint), so samples drawn with different settings are comparable.
   """
+  if shrink is not None and jnp.ndim(rng) == 0:
+    raise ValueError("sample(shrink=...) needs a key per row (rng [batch]): with one key "
+                     "for the batch, a row's draws depend on the rows beside it.")
   if _is_static(temperature) and temperature == 0:
-    choose = lambda logits, step: argmax(logits)
+    choose = lambda logits, step, rows: argmax(logits)
   else:
-    def choose(logits, step):
+    def choose(logits, step, rows):
       greedy = jnp.asarray(temperature) <= 0
       safe_temperature = jnp.where(greedy, 1.0, temperature)
       filtered = filter_logits(logits / safe_temperature, top_k=top_k,
                                top_p=top_p)
-      drawn = _draw(rng, step, filtered)
+      drawn = _draw(rng if jnp.ndim(rng) == 0 else rng[rows], step, filtered)
       return jnp.where(greedy, argmax(logits), drawn)
 
   return sampling_loop(tokens_to_logits, cache, choose, batch_size=batch_size,
-                        max_len=max_len, bos_id=bos_id, eos_id=eos_id,
-                        min_len=min_len)
+                       max_len=max_len, bos_id=bos_id, eos_id=eos_id,
+                       min_len=min_len, shrink=shrink, empty_rows=empty_rows)
 
 
 def _draw(rng: jax.Array, step, logits: jax.Array) -> jax.Array:

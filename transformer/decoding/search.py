@@ -142,6 +142,14 @@ def _step_logits(tokens_to_logits, token_ids, cache, step, eos_id, min_len):
   return logits, cache
 
 
+def _scan_steps(step_fn, state, length: int):
+  """`state = step_fn(state)` `length` times (a static count), as one lax.scan."""
+  if length == 0:
+    return state
+  state, _ = lax.scan(lambda s, _: (step_fn(s), None), state, None, length=length)
+  return state
+
+
 def _decode_loop(step_fn, done_fn, state, num_steps: int, early_exit: bool):
   """Runs `state = step_fn(state)` num_steps times, stopping early if done.
 
@@ -153,19 +161,12 @@ def _decode_loop(step_fn, done_fn, state, num_steps: int, early_exit: bool):
   when num_steps is not a multiple of the chunk). `step_fn` must leave finished
   work unchanged, so where the loop stops does not change results.
   """
-
-  def scan_steps(state, length):
-    if length == 0:
-      return state
-    state, _ = lax.scan(lambda s, _: (step_fn(s), None), state, None, length=length)
-    return state
-
   if not early_exit:
-    return scan_steps(state, num_steps)
+    return _scan_steps(step_fn, state, num_steps)
 
   chunk = max(1, min(EARLY_EXIT_CHUNK, num_steps))
   num_chunks, remainder = divmod(num_steps, chunk)
-  state = scan_steps(state, remainder)
+  state = _scan_steps(step_fn, state, remainder)
 
   def cond(carry):
     chunks_done, state = carry
@@ -173,10 +174,87 @@ def _decode_loop(step_fn, done_fn, state, num_steps: int, early_exit: bool):
 
   def body(carry):
     chunks_done, state = carry
-    return chunks_done + 1, scan_steps(state, chunk)
+    return chunks_done + 1, _scan_steps(step_fn, state, chunk)
 
   _, state = lax.while_loop(cond, body, (jnp.int32(0), state))
   return state
+
+
+class Shrink(NamedTuple):
+  """Drop finished inputs from the batch as decoding goes (`_shrinking_loop`).
+
+  select_cache(cache, indices [n] int32) -> the cache of those inputs only, in
+    that order: the model's, where its cache keeps the inputs elsewhere than
+    on axis 0 (the Transformer: one entry per input for all its beams, layers
+    stacked by scan_layers). None: the cache contract's, every leaf with
+    ndim >= 1 gathered along axis 0 (beam search: the rows of the inputs' beams).
+  factor: the batch goes on with 1 / factor of its rows once that many hold
+    all the unfinished inputs, again and again, ...
+  min_rows: ... while that is a whole number of at least `min_rows` rows
+  multiple_of: ... and a multiple of this (the devices the batch is split over).
+  Each size compiles the step once more: fewer, larger cuts trade a little
+  of the saving for compile time.
+  """
+  select_cache: Callable[[PyTree, jax.Array], PyTree] | None = None
+  factor: int = 4
+  min_rows: int = 8
+  multiple_of: int = 1
+
+  def sizes(self, batch: int) -> list[int]:
+    """The batch sizes a shrinking loop of `batch` inputs goes through."""
+    sizes = [batch]
+    while (sizes[-1] % self.factor == 0 and sizes[-1] // self.factor >= self.min_rows
+           and (sizes[-1] // self.factor) % self.multiple_of == 0):
+      sizes.append(sizes[-1] // self.factor)
+    return sizes
+
+
+def _shrinking_loop(step_fn, unfinished_fn, results_fn, select_state, state, *,
+                    batch: int, num_steps: int, sizes: list[int]):
+  """`_decode_loop` with early exit that also drops finished inputs: whenever
+  the unfinished inputs fit in a smaller batch of `sizes`, they go on in it
+  (finished ones fill it up). The step is compiled once per size; a step's cost falls with the
+  rows it runs on, and most of a batch has finished long before its longest
+  translation does.
+
+  Args:
+    step_fn: state -> state (one decoding step, for any batch size).
+    unfinished_fn: state -> [size] bool, inputs that may still change.
+    results_fn: state -> pytree of per-input results, input axis first.
+    select_state: (state, indices [n]) -> the state of those inputs.
+    state: the state of all `batch` inputs.
+    sizes: `Shrink.sizes(batch)`.
+  Returns:
+    results_fn's pytree for all `batch` inputs, in their order: each input's
+    as it was when it left the batch (finished: unchanged since), or at the
+    end of the budget.
+  """
+  chunk = max(1, min(EARLY_EXIT_CHUNK, num_steps))
+  state = _scan_steps(step_fn, state, num_steps % chunk)
+  results = jax.tree.map(jnp.zeros_like, results_fn(state))
+  rows = jnp.arange(batch)  # rows[i]: the input that row i of `state` decodes
+  for size, next_size in zip(sizes, sizes[1:] + [0]):
+
+    def cond(state, next_size=next_size):
+      return ((state.step + chunk <= num_steps)
+              & (jnp.sum(unfinished_fn(state)) > next_size))
+
+    state = lax.while_loop(cond, lambda s: _scan_steps(step_fn, s, chunk), state)
+    results = jax.tree.map(lambda out, new: out.at[rows].set(new), results,
+                           results_fn(state))
+    if next_size:
+      keep = _unfinished_first(unfinished_fn(state))[:next_size]
+      state, rows = select_state(state, keep), rows[keep]
+  return results
+
+
+def _unfinished_first(unfinished: jax.Array) -> jax.Array:
+  """[n] bool -> [n] int32, the indices of the unfinished rows (in order), then
+  those of the finished ones (in order): a stable partition, by cumulative
+  counts rather than a sort."""
+  count = jnp.sum(unfinished)
+  rank = jnp.where(unfinished, jnp.cumsum(unfinished) - 1, count + jnp.cumsum(~unfinished) - 1)
+  return jnp.zeros_like(rank).at[rank].set(jnp.arange(rank.shape[0], dtype=rank.dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -190,29 +268,35 @@ class _SamplingState(NamedTuple):
   sequences: jax.Array  # [batch, max_len] int32.
   scores: jax.Array  # [batch] float32 sum of log-probs.
   finished: jax.Array  # [batch] bool: EOS already emitted.
+  rows: jax.Array  # [batch] int32: the input each row decodes (moves when the batch shrinks).
   cache: PyTree
 
 
 def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
-                   bos_id, eos_id, min_len):
+                  bos_id, eos_id, min_len, shrink: Shrink | None = None,
+                  empty_rows: jax.Array | None = None):
   """Shared loop of greedy search and sampling.
 
-  choose_fn(logits [batch, vocab] float32, step) -> token ids [batch]; the
-  logits already carry the min_len constraint.
+  choose_fn(logits [rows, vocab] float32, step, rows [rows] int32) -> token ids
+  [rows]; the logits already carry the min_len constraint; `rows` says which
+  input each row decodes (for per-input random keys).
+  shrink: drop finished inputs from the batch as they finish (`Shrink`).
+  empty_rows: [batch] bool, rows with nothing to decode (the empty rows that
+    fill up a batch): finished from the start (PAD, score 0).
   Returns (sequences [batch, max_len] int32, scores [batch] float32).
   """
 
   def step_fn(state: _SamplingState) -> _SamplingState:
     logits, cache = _step_logits(tokens_to_logits, state.last_tokens,
                                  state.cache, state.step, eos_id, min_len)
-    tokens = choose_fn(logits, state.step).astype(jnp.int32)
+    tokens = choose_fn(logits, state.step, state.rows).astype(jnp.int32)
     # Rows that already emitted EOS emit PAD and add nothing to their score.
     tokens = jnp.where(state.finished, 0, tokens)
     # log p(token) = logit - logsumexp(logits): no [batch, vocab] log-softmax.
     token_log_probs = (jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0]
                        - jax.nn.logsumexp(logits, axis=-1))
     scores = state.scores + jnp.where(state.finished, 0.0, token_log_probs)
-    return _SamplingState(
+    return state._replace(
         step=state.step + 1,
         last_tokens=tokens,
         sequences=state.sequences.at[:, state.step].set(tokens),
@@ -226,17 +310,33 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
       last_tokens=jnp.full((batch_size,), bos_id, jnp.int32),
       sequences=jnp.zeros((batch_size, max_len), jnp.int32),
       scores=jnp.zeros((batch_size,), jnp.float32),
-      finished=jnp.zeros((batch_size,), bool),
+      finished=(jnp.zeros((batch_size,), bool) if empty_rows is None
+                else jnp.asarray(empty_rows, bool)),
+      rows=jnp.arange(batch_size, dtype=jnp.int32),
       cache=cache,
   )
-  state = _decode_loop(step_fn, lambda s: jnp.all(s.finished), state, max_len,
-                       early_exit=True)
-  return state.sequences, state.scores
+  if shrink is None:
+    state = _decode_loop(step_fn, lambda s: jnp.all(s.finished), state, max_len,
+                         early_exit=True)
+    return state.sequences, state.scores
+
+  select_cache = shrink.select_cache or (
+      lambda cache, indices: _map_batched(lambda x: x[indices], cache))
+
+  def select_state(state: _SamplingState, indices) -> _SamplingState:
+    return _map_batched(lambda x: x[indices], state._replace(cache=None)
+                        )._replace(cache=select_cache(state.cache, indices))
+
+  return _shrinking_loop(
+      step_fn, lambda s: ~s.finished, lambda s: (s.sequences, s.scores), select_state,
+      state, batch=batch_size, num_steps=max_len,
+      sizes=shrink.sizes(batch_size))
 
 
 def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                   batch_size: int, max_len: int, bos_id: int, eos_id: int,
-                  min_len: int = 0) -> tuple[jax.Array, jax.Array]:
+                  min_len: int = 0, shrink: Shrink | None = None,
+                  empty_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Greedy decoding: the most probable next token at every step.
 
   Args:
@@ -248,6 +348,11 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     bos_id: fed to the model at the first step.
     eos_id: ends a sequence; later positions are 0 (PAD).
     min_len: EOS is forbidden at steps t < min_len.
+    shrink: drop finished inputs from the batch as they finish (`Shrink`):
+      the same tokens, less work (up to the last bits of rounding: a row's
+      matmuls run in batches of other sizes).
+    empty_rows: [batch] bool, rows with nothing to decode (filling up the
+      batch): finished from the start, they emit PAD and cost no steps.
 
   Returns:
     sequences: [batch, max_len] int32 generated tokens (EOS included, then 0).
@@ -255,9 +360,9 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       tokens, EOS included).
   """
   return sampling_loop(
-      tokens_to_logits, cache, lambda logits, step: argmax(logits),
+      tokens_to_logits, cache, lambda logits, step, rows: argmax(logits),
       batch_size=batch_size, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
-      min_len=min_len)
+      min_len=min_len, shrink=shrink, empty_rows=empty_rows)
 
 
 # ---------------------------------------------------------------------------
@@ -286,7 +391,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                 max_len: int, bos_id: int, eos_id: int, min_len: int = 0,
                 early_exit: bool = True,
                 reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
-                ) -> tuple[jax.Array, jax.Array]:
+                shrink: Shrink | None = None,
+                empty_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Beam search with the GNMT length penalty.
 
   One function on purpose: its step (`step_fn`) and stopping test (`done_fn`)
@@ -337,6 +443,11 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     reorder_cache: (cache, parents [batch, beam_size] int32) -> the cache of
       the kept hypotheses, where hypothesis j of input b extends beam
       parents[b, j] of the previous step. None: gather every batched leaf.
+    shrink: with early exit, drop the inputs that are done from the batch as
+      decoding goes (`Shrink`: its `select_cache` gets input indices; None
+      gathers the beams' rows of those inputs, axis 0 of every leaf).
+    empty_rows: [batch] bool, inputs with nothing to decode (filling up the
+      batch): no hypothesis, done from the start (scores -inf, sequences 0).
 
   Returns:
     sequences: [batch, beam_size, max_len] int32, n-best, best first.
@@ -350,13 +461,14 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
 
     def reorder_cache(cache, parents):
       # A gather along the flat batch axis of every batched leaf.
-      flat_parents = (jnp.arange(batch)[:, None] * beams + parents).reshape(-1)
+      flat_parents = (jnp.arange(parents.shape[0])[:, None] * beams + parents).reshape(-1)
       return _map_batched(lambda x: jnp.take(x, flat_parents, axis=0), cache)
 
   def step_fn(state: _BeamState) -> _BeamState:
     step = state.step
+    rows = state.last_tokens.shape[0]  # inputs in this batch (fewer once it shrinks)
     logits, cache = _step_logits(tokens_to_logits,
-                                 state.last_tokens.reshape(batch * beams),
+                                 state.last_tokens.reshape(rows * beams),
                                  state.cache, step, eos_id, min_len)
     vocab = logits.shape[-1]
 
@@ -364,7 +476,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     # hypothesis + log_softmax of the next token), per input. Empty alive
     # slots have log-prob -inf, so their extensions stay -inf.
     topk_log_probs, topk_flat = beam_candidates_top_k(
-        logits.reshape(batch, beams, vocab), state.alive_log_probs, 2 * beams)
+        logits.reshape(rows, beams, vocab), state.alive_log_probs, 2 * beams)
     topk_parents = topk_flat // vocab  # [batch, 2 * beams] beam index
     topk_tokens = (topk_flat % vocab).astype(jnp.int32)
     topk_seqs = _gather_beams(state.alive_seqs, topk_parents)
@@ -399,7 +511,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
         cache=cache,
     )
 
-  def done_fn(state: _BeamState) -> jax.Array:
+  def input_done(state: _BeamState) -> jax.Array:
+    """[batch] bool: no alive hypothesis of the input can still change its n-best."""
     best_alive = state.alive_log_probs[:, 0]  # Sorted: best first.
     worst_finished = state.finished_scores[:, -1]  # -inf until all slots fill.
     # Largest lp over the lengths an alive hypothesis can still reach (lp is
@@ -409,10 +522,25 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                          gnmt_length_penalty(max_len, alpha))
     cannot_improve = best_alive / max_lp < worst_finished
     no_alive = best_alive == NEG_INF
-    return jnp.all(cannot_improve | no_alive)
+    return cannot_improve | no_alive
+
+  def n_best(state: _BeamState) -> tuple[jax.Array, jax.Array]:
+    """The finished hypotheses, then (in the slots finished ones did not fill)
+    the alive ones, truncated at max_len. Both blocks are sorted best first,
+    so a stable sort that only moves empty slots (-inf) to the end keeps that
+    order."""
+    alive_scores = state.alive_log_probs / gnmt_length_penalty(max_len, alpha)
+    scores = jnp.concatenate([state.finished_scores, alive_scores], axis=1)
+    seqs = jnp.concatenate([state.finished_seqs, state.alive_seqs], axis=1)
+    empty = (scores == NEG_INF).astype(jnp.int32)
+    order = jnp.argsort(empty, axis=1, stable=True)[:, :beams]
+    scores = jnp.take_along_axis(scores, order, axis=1)
+    seqs = jnp.where((scores > NEG_INF)[:, :, None], _gather_beams(seqs, order), 0)
+    return seqs, scores
 
   # Only beam 0 is alive at the start; the others would be duplicates.
-  alive_log_probs = jnp.full((batch, beams), NEG_INF, jnp.float32).at[:, 0].set(0.0)
+  first = 0.0 if empty_rows is None else jnp.where(empty_rows, NEG_INF, 0.0)
+  alive_log_probs = jnp.full((batch, beams), NEG_INF, jnp.float32).at[:, 0].set(first)
   state = _BeamState(
       step=jnp.int32(0),
       alive_seqs=jnp.zeros((batch, beams, max_len), jnp.int32),
@@ -422,17 +550,19 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
       cache=cache,
   )
-  state = _decode_loop(step_fn, done_fn, state, max_len, early_exit)
+  if shrink is None or not early_exit:
+    state = _decode_loop(step_fn, lambda s: jnp.all(input_done(s)), state, max_len,
+                         early_exit)
+    return n_best(state)
+  select_cache = shrink.select_cache
+  if select_cache is None:  # a cache of batch * beams rows: the beams' rows of each input
+    select_cache = lambda cache, indices: _map_batched(
+        lambda x: x[(indices[:, None] * beams + jnp.arange(beams)).reshape(-1)], cache)
 
-  # n-best: the finished hypotheses, then (in the slots finished ones did not
-  # fill) the alive ones, truncated at max_len. Both blocks are sorted best
-  # first, so a stable sort that only moves empty slots (-inf) to the end keeps
-  # that order.
-  alive_scores = state.alive_log_probs / gnmt_length_penalty(max_len, alpha)
-  scores = jnp.concatenate([state.finished_scores, alive_scores], axis=1)
-  seqs = jnp.concatenate([state.finished_seqs, state.alive_seqs], axis=1)
-  empty = (scores == NEG_INF).astype(jnp.int32)
-  order = jnp.argsort(empty, axis=1, stable=True)[:, :beams]
-  scores = jnp.take_along_axis(scores, order, axis=1)
-  seqs = jnp.where((scores > NEG_INF)[:, :, None], _gather_beams(seqs, order), 0)
-  return seqs, scores
+  def select_state(state: _BeamState, indices) -> _BeamState:
+    return _map_batched(lambda x: x[indices], state._replace(cache=None)
+                        )._replace(cache=select_cache(state.cache, indices))
+
+  return _shrinking_loop(step_fn, lambda s: ~input_done(s), n_best, select_state, state,
+                         batch=batch, num_steps=max_len,
+                         sizes=shrink.sizes(batch))

@@ -18,14 +18,15 @@ output is cut back to B bytes (a window written after the last record is
 written again), the first N input lines are read and hashed (a changed input
 is refused), and `run` must equal the record's (a changed model or option is
 refused, naming the difference). The finished output is byte-identical to an
-uninterrupted run's: a line's translation does not depend on the window it
-fell in (sampling keys are per line). The record is removed at the end. No
+uninterrupted run's: the windows start at the same lines, so a line is decoded
+in the same batch (sampling keys are per line). The record is removed at the end. No
 record, no resume: an output file is then written afresh. Standard input and
 output stream the same way, without a record.
 
-Several processes (hosts): every process reads the input; each window is
-split across them (`multihost.split_across_processes`), process 0 writes the
-output and the record.
+Several processes (hosts): every process reads the input and forms the same
+batches of each window; each decodes every count-th batch
+(`multihost.split_across_processes`), so the output is byte-identical to one
+process's; process 0 writes the output and the record.
 
 Output formats: "text", one line per input line (n-best: the hypotheses
 tab-separated, best first); "jsonl", one JSON object per input line:
@@ -114,8 +115,8 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
     window_lines: lines decoded together (sorted by length among themselves).
     progress: a tqdm bar per window on stderr.
     on_results: called as on_results(first line number (0-based), sources,
-      hypotheses) with each share of a window this process decodes (e.g. to
-      plot its attention).
+      hypotheses) with each window (e.g. to plot its attention); with several
+      processes the hypotheses of the lines another process decoded are None.
   Returns:
     {"lines": input lines, "resumed_at": lines found done, "sentences",
      "decoded", "truncated", "generated_tokens", "seconds", "compile_seconds",
@@ -148,16 +149,19 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
   output_bytes = record.output_bytes if record else 0
   stats = dict.fromkeys(_COUNTS, 0) | {"lines": line_no, "resumed_at": line_no}
 
-  def translate_share(share: list[tuple[int, str]]) -> list[str]:
-    """This process's share of a window, (line number, text) pairs -> output lines."""
-    first, texts = share[0][0], [text for _, text in share]
+  def translate_share(window: list[tuple[int, str]], share: tuple[int, int]) -> list[str | None]:
+    """This process's share of a window's batches: (line number, text) pairs
+    -> an output line for each line it decoded, None for the others."""
+    first, texts = window[0][0], [text for _, text in window]
     results = translator.translate_hypotheses(texts, first_line=first, progress=progress,
-                                              **options)
+                                              share=share, **options)
     for key in _COUNTS:
       stats[key] += translator.last_stats.get(key, 0)
     if on_results is not None:
       on_results(first, texts, results)
-    return format_lines(first, texts, results, n_best, output_format)
+    return [None if hyps is None else format_lines(first + k, [text], [hyps], n_best,
+                                                   output_format)[0]
+            for k, (text, hyps) in enumerate(zip(texts, results))]
 
   try:
     while True:

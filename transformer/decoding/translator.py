@@ -41,6 +41,7 @@ from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import executable_cache, sampling
 from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
+from transformer.model import kv_cache
 from transformer.model.kv_cache import init_cache, reorder_cache
 from transformer.model.transformer import Transformer
 from transformer.runtime import parallel
@@ -48,6 +49,10 @@ from transformer.decoding.options import check_options
 from transformer.runtime.errors import OptionError
 
 MIN_BUCKET = 8
+# A decoding batch goes on with a quarter of its rows once they hold all its
+# unfinished inputs, down to 8 rows (`Translator._shrink`; measured in
+# docs/benchmarks.md: halving to 4 rows saved a little more for twice the compiling).
+SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 
 
 class Hypothesis(NamedTuple):
@@ -174,26 +179,30 @@ class Translator:
       memory = model.apply({"params": params}, encoded, inputs, None, logits_kernel,
                            method=Transformer.encoder_memory)
 
-      def tokens_to_logits(token_ids, cache):
-        return model.apply({"params": params}, token_ids, cache, memory,
-                           method=Transformer.decode_step)
+      def tokens_to_logits(token_ids, state):
+        logits, cache = model.apply({"params": params}, token_ids, state["cache"],
+                                    state["memory"], method=Transformer.decode_step)
+        return logits, dict(state, cache=cache)
+
+      def state(beams=1):  # what the search carries: the cache and the encoder memory
+        return {"cache": init_cache(cfg, batch, max_len, beams), "memory": memory}
 
       common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id,
-                    eos_id=cfg.eos_id, min_len=min_len)
+                    eos_id=cfg.eos_id, min_len=min_len, shrink=self._shrink(early_exit),
+                    empty_rows=jnp.all(inputs == cfg.pad_id, axis=1))  # (filling the batch)
       if method == "beam":
-        return decoding.beam_search(tokens_to_logits,
-                                    init_cache(cfg, batch, max_len, beam_size),
-                                    beam_size=beam_size, length_penalty=length_penalty,
-                                    early_exit=early_exit, reorder_cache=reorder_cache,
-                                    **common)
-      cache = init_cache(cfg, batch, max_len)
+        return decoding.beam_search(
+            tokens_to_logits, state(beam_size), beam_size=beam_size,
+            length_penalty=length_penalty, early_exit=early_exit,
+            reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
+            **common)
       if method == "greedy":
-        seqs, scores = decoding.greedy_search(tokens_to_logits, cache, **common)
+        seqs, scores = decoding.greedy_search(tokens_to_logits, state(), **common)
       else:
         fold_in = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         row_keys = jax.vmap(jax.random.fold_in)(fold_in(rng, row_lines), row_copies)
         seqs, scores = sampling.sample(
-            tokens_to_logits, cache, rng=row_keys,
+            tokens_to_logits, state(), rng=row_keys,
             temperature=temperature if temperature_on else 1.0, top_k=top_k,
             top_p=top_p if top_p_on else 1.0, **common)
       return seqs[:, None], scores[:, None]
@@ -205,6 +214,18 @@ class Translator:
                                       replicated, replicated),
                    out_shardings=(data, data))
 
+  def _shrink(self, early_exit: bool) -> decoding.Shrink | None:
+    """How a batch drops its finished inputs (`decoding.Shrink`): to a quarter
+    of its rows once they hold the unfinished, down to SHRINK_MIN_ROWS (a
+    multiple of the devices). None without early exit (every step on every
+    row, for benchmarks)."""
+    if not early_exit:
+      return None
+    devices = len(self.mesh.devices.flat)
+    return decoding.Shrink(
+        lambda state, indices: kv_cache.select_inputs(state, indices, self.config.scan_layers),
+        factor=SHRINK_FACTOR, min_rows=max(SHRINK_MIN_ROWS, devices), multiple_of=devices)
+
   # -- the public API --------------------------------------------------------
 
   def translate(self, sentences: Sequence[str], *, n_best: int = 1, **options):
@@ -214,11 +235,12 @@ class Translator:
       n_best == 1: a list of strings, one per input, in input order.
       n_best > 1: a list (per input) of n_best (translation, score) pairs,
       best first.
+      (None for the inputs of other shares, with `share`.)
     """
     results = self.translate_hypotheses(sentences, n_best=n_best, **options)
     if n_best == 1:
-      return [hyps[0].text for hyps in results]
-    return [[(h.text, h.score) for h in hyps] for hyps in results]
+      return [None if hyps is None else hyps[0].text for hyps in results]
+    return [None if hyps is None else [(h.text, h.score) for h in hyps] for hyps in results]
 
   def translate_hypotheses(
       self, sentences: Sequence[str], *, method: str = "beam", beam_size: int = 4,
@@ -226,7 +248,8 @@ class Translator:
       min_len: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
       seed: int = 0, n_best: int = 1, batch_size: int = 32, batch_tokens: int = 0,
       first_line: int = 0, progress: bool = False,
-      early_exit: bool = True) -> list[list[Hypothesis]]:
+      early_exit: bool = True, share: tuple[int, int] = (0, 1),
+      ) -> list[list[Hypothesis] | None]:
     """Translates `sentences` into `n_best` hypotheses each, best first.
 
     Args:
@@ -246,13 +269,21 @@ class Translator:
         inputs go in larger batches.
       first_line: the line number of sentences[0] (for the sampling keys).
       progress: show a tqdm bar on stderr.
-      early_exit: stop a batch's beam search once no hypothesis can change
-        (same results, less time; False runs every step, for benchmarks).
+      early_exit: stop decoding an input once its result cannot change, and
+        go on with fewer rows once most of a batch is done (`_shrink`): the
+        same results, less time; False runs every step on every row (for
+        benchmarks).
+      share: (index, count): decode only batches index, index + count, index
+        + 2 * count, ... of the batches all the sentences make (the blank ones
+        go with share 0): several processes each decode a share of the same
+        batches, so that every sentence is decoded in the batch, with the
+        rows, it would be decoded in by one process (a sentence's last bits
+        depend on its batch: `multihost.split_across_processes`).
     Returns:
       Per input, `n_best` Hypothesis(text, score, log_prob, length): `score`
       is what ranks them (beam: log p / lp(length); otherwise log p),
       `log_prob` the model's log-probability of the tokens, `length` the
-      generated tokens counting the EOS.
+      generated tokens counting the EOS. None for the inputs of other shares.
     """
     check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
                   max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,
@@ -263,7 +294,10 @@ class Translator:
     encoded, truncated = self._encode(sentences)
     copies = n_best if method == "sample" else 1  # one row per sample of an input
     empty = Hypothesis("", 0.0, 0.0, 0)
-    results: list[list[Hypothesis]] = [[empty] * n_best for _ in sentences]
+    share_index, share_count = share
+    # Blank inputs are in no batch: "" (share 0's); the others: filled in by their batch.
+    results: list[list[Hypothesis] | None] = [
+        [empty] * n_best if not ids and share_index == 0 else None for ids in encoded]
     options = (float(length_penalty), float(temperature), float(top_p), int(min_len))
     switches = (temperature != 1.0, top_p < 1.0) if method == "sample" else (False, False)
     rng = jax.random.key(seed)
@@ -274,6 +308,7 @@ class Translator:
                beam_size, top_k, early_exit, *switches)
       per_batch = max(1, rows // copies)
       batches += [(shape, members[b:b + per_batch]) for b in range(0, len(members), per_batch)]
+    batches = batches[share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
     bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
                     dynamic_ncols=True)

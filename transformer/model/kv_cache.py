@@ -77,6 +77,21 @@ def reorder_cache(cache: dict, parents: Array) -> dict:
   return dict(cache, ancestry=ancestry)
 
 
+def select_inputs(decoding: dict, indices: Array, stacked_layers: bool) -> dict:
+  """A decoding batch's state {"cache": `init_cache`'s, "memory":
+  `Transformer.encoder_memory`'s} for the inputs `indices` `[n]` int32 only,
+  in that order: every array's input axis (0; 1 in layers stacked by
+  `scan_layers`) gathered, the rest kept. What a batch keeps when it drops
+  its finished inputs (`decoding.search.Shrink`)."""
+  take = lambda axis: lambda x: jnp.take(x, indices, axis=axis)
+  layer_axis = 1 if stacked_layers else 0
+  cache, memory = decoding["cache"], decoding["memory"]
+  return {"cache": {"index": cache["index"], "ancestry": cache["ancestry"][indices],
+                    "layers": jax.tree.map(take(layer_axis), cache["layers"])},
+          "memory": dict(memory, key_value=jax.tree.map(take(layer_axis), memory["key_value"]),
+                         mask=memory["mask"][indices])}
+
+
 def self_attention_mask(cache: dict) -> tuple[Array, Array]:
   """Which cache slots and positions each beam sees at step `cache["index"]`.
 

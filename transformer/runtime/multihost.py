@@ -32,8 +32,9 @@ what the launchers document (Slurm's and Open MPI's environment variables,
 GKE's TPU variables, a TPU VM's devices), not JAX's private cluster classes.
 
 Work split over processes. `split_across_processes(fn, items)`: each process
-applies `fn` to its contiguous share of `items` (`process_share`), and every
-process gets all the results back, in order (`allgather_strings`).
+computes its share of the work on `items` (e.g. every count-th decoding
+batch), and every process gets all the results back, in order
+(`allgather_strings`).
 
 Imports nothing from `transformer` but `text_io` (a leaf).
 """
@@ -346,19 +347,33 @@ def process_share(n: int, index: int | None = None, count: int | None = None) ->
   return slice(index * n // count, (index + 1) * n // count)
 
 
-def split_across_processes(fn: Callable[[list], Sequence[str]], items: Sequence,
-                           what: str = "items") -> list[str]:
-  """`fn(items)` computed in shares: each process applies `fn` (a list of
-  items -> as many strings, e.g. translations) to its `process_share`, and
-  the results come back to every process in the order of `items`. One
-  process: `fn(items)`. Logs how many items this process did."""
+def split_across_processes(fn: Callable[[list, tuple[int, int]], Sequence[str | None]],
+                           items: Sequence, what: str = "items") -> list[str]:
+  """`fn` computed in shares, the results in every process: each process
+  calls `fn(items, (its index, process count))`, which returns a string per
+  item for the items of that share of the work and None for the others
+  (`Translator.translate(share=...)`: every process forms the same batches
+  and decodes every count-th one, so an item's result is what one process
+  alone gives, bit for bit); each item must get its string in exactly one
+  process. One process: `fn(items, (0, 1))`. Logs how many items this
+  process did."""
   items = list(items)
-  if jax.process_count() == 1:
-    return list(fn(items))
-  mine = items[process_share(len(items))]
-  results = list(fn(mine)) if mine else []
-  if len(results) != len(mine):
-    raise ValueError(f"split_across_processes: {len(results)} results for {len(mine)} {what}.")
-  logger.info("Process %d of %d: %d of the %d %s done here.", jax.process_index(),
-              jax.process_count(), len(mine), len(items), what)
-  return allgather_strings(results)
+  index, count = jax.process_index(), jax.process_count()
+  results = list(fn(items, (index, count)))
+  if len(results) != len(items):
+    raise ValueError(f"split_across_processes: {len(results)} results for {len(items)} {what}.")
+  if count == 1:
+    return results
+  mine = [k for k, result in enumerate(results) if result is not None]
+  logger.info("Process %d of %d: %d of the %d %s done here.", index, count, len(mine),
+              len(items), what)
+  positions = allgather_strings([str(k) for k in mine])
+  strings = allgather_strings([results[k] for k in mine])
+  merged: list[str | None] = [None] * len(items)
+  for k, string in zip(positions, strings):
+    merged[int(k)] = string
+  missing = [k for k, string in enumerate(merged) if string is None]
+  if missing or len(positions) != len(items):
+    raise ValueError(f"split_across_processes: {len(positions)} results from the processes "
+                     f"for {len(items)} {what} (none for item {missing[:1]}).")
+  return merged

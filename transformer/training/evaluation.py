@@ -111,14 +111,16 @@ class Evaluator:
   def translation_scores(self, params) -> dict[str, float]:
     """BLEU, chrF, exact match ... (`metrics.translation_scores`) of the
     translations of `bleu_pairs`. With several processes each translates its
-    share (`multihost.split_across_processes`) and every process scores them all."""
+    share of the batches (`multihost.split_across_processes`) and every process
+    scores them all."""
     translator = self.translator(params)
     sources = [source for source, _ in self.bleu_pairs]
     references = [target for _, target in self.bleu_pairs]
     start = time.perf_counter()
     hypotheses = multihost.split_across_processes(
-        lambda share: translator.translate(share, method=self.config.eval_decode_method,
-                                           beam_size=self.config.eval_beam_size),
+        lambda sources, share: translator.translate(
+            sources, method=self.config.eval_decode_method,
+            beam_size=self.config.eval_beam_size, share=share),
         sources, what="validation sentences")
     self.seconds_per_sentence = (time.perf_counter() - start) / len(sources)
     self.samples = list(zip(sources, references, hypotheses))

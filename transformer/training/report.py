@@ -26,13 +26,14 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
   parameters), writes the translations to TEST_TRANSLATIONS_FILE and returns
   `metrics.translation_scores` against the targets, with the number of
   sentences and the seconds the translation took. With several processes
-  each translates its share (`multihost.split_across_processes`), and every
+  each translates its share of the batches (`multihost.split_across_processes`), and every
   process scores them all and writes them to its workdir."""
   sources = [source for source, _ in pairs]
   references = [target for _, target in pairs]
   start = time.perf_counter()
   hypotheses = multihost.split_across_processes(
-      lambda share: translator.translate(share, method=method, beam_size=beam_size),
+      lambda sources, share: translator.translate(sources, method=method,
+                                                  beam_size=beam_size, share=share),
       sources, what="test sentences")
   seconds = time.perf_counter() - start
   path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
