@@ -185,6 +185,7 @@ def _step_collectives(mode: str) -> dict[int, dict]:
   return _all_step_collectives()[mode]
 
 
+@pytest.mark.slow  # (15-25 s on 2 cores: `python -m pytest -m slow`)
 def test_gradient_accumulation_reduces_the_gradients_once_per_update():
   rows = _step_collectives("replicated")
   params = rows[1]["params"]

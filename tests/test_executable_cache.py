@@ -59,6 +59,7 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
   assert sorted(cache_dir.iterdir()) == stored
 
 
+@pytest.mark.slow  # (15-25 s on 2 cores: `python -m pytest -m slow`)
 def test_other_code_or_options_are_other_decoders(cache_dir, monkeypatch):
   _translate(method="greedy")
   stored = set(cache_dir.iterdir())

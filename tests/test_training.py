@@ -1122,6 +1122,7 @@ def test_warmup_longer_than_the_budget_is_told():
   assert time_budget.warmup_warning(4000, 4000, 2.0, budget) is None  # over already
 
 
+@pytest.mark.slow  # (15-25 s on 2 cores: `python -m pytest -m slow`)
 def test_train_minutes_stops_saves_and_resumes_with_the_time_spent(tmp_path, compilation_cache):
   """A budget far shorter than the steps: the loop stops by time, saves the
   step it reached with the seconds spent, and a second run with the same
