@@ -53,10 +53,17 @@ on CPU a one-step while loop measured slower per step than a scan) and at most
 `EARLY_EXIT_CHUNK - 1` steps are wasted. Results are
 identical with and without early exit (see benchmarks/bench_early_exit.py for
 the time it saves).
+
+Shrinking (`Shrink`, optional). At those same checks, once the unfinished
+inputs fit in a fraction of the batch they go on alone in a smaller batch
+(a fixed ladder of sizes, each compiled), so a batch does not run all its rows
+until its longest output ends. The tokens are the same; the model's matmuls
+may round a row's last bits differently in a smaller batch.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -213,9 +220,9 @@ def _shrinking_loop(step_fn, unfinished_fn, results_fn, select_state, state, *,
                     batch: int, num_steps: int, sizes: list[int]):
   """`_decode_loop` with early exit that also drops finished inputs: whenever
   the unfinished inputs fit in a smaller batch of `sizes`, they go on in it
-  (finished ones fill it up). The step is compiled once per size; a step's cost falls with the
-  rows it runs on, and most of a batch has finished long before its longest
-  translation does.
+  (finished ones fill it up). The step is compiled once per size; a step's
+  cost falls with the rows it runs on, and most of a batch has finished long
+  before its longest translation does.
 
   Args:
     step_fn: state -> state (one decoding step, for any batch size).
@@ -246,6 +253,13 @@ def _shrinking_loop(step_fn, unfinished_fn, results_fn, select_state, state, *,
       keep = _unfinished_first(unfinished_fn(state))[:next_size]
       state, rows = select_state(state, keep), rows[keep]
   return results
+
+
+def _select_inputs(state, indices: jax.Array, select_cache):
+  """A search state (a NamedTuple with a `cache`) of the inputs `indices` only:
+  its arrays gathered on their input axis (0), its cache by `select_cache`."""
+  return _map_batched(lambda x: x[indices], state._replace(cache=None)
+                      )._replace(cache=select_cache(state.cache, indices))
 
 
 def _unfinished_first(unfinished: jax.Array) -> jax.Array:
@@ -322,14 +336,9 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
 
   select_cache = shrink.select_cache or (
       lambda cache, indices: _map_batched(lambda x: x[indices], cache))
-
-  def select_state(state: _SamplingState, indices) -> _SamplingState:
-    return _map_batched(lambda x: x[indices], state._replace(cache=None)
-                        )._replace(cache=select_cache(state.cache, indices))
-
   return _shrinking_loop(
-      step_fn, lambda s: ~s.finished, lambda s: (s.sequences, s.scores), select_state,
-      state, batch=batch_size, num_steps=max_len,
+      step_fn, lambda s: ~s.finished, lambda s: (s.sequences, s.scores),
+      functools.partial(_select_inputs, select_cache=select_cache), state, batch=batch_size, num_steps=max_len,
       sizes=shrink.sizes(batch_size))
 
 
@@ -559,10 +568,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     select_cache = lambda cache, indices: _map_batched(
         lambda x: x[(indices[:, None] * beams + jnp.arange(beams)).reshape(-1)], cache)
 
-  def select_state(state: _BeamState, indices) -> _BeamState:
-    return _map_batched(lambda x: x[indices], state._replace(cache=None)
-                        )._replace(cache=select_cache(state.cache, indices))
-
-  return _shrinking_loop(step_fn, lambda s: ~input_done(s), n_best, select_state, state,
+  return _shrinking_loop(step_fn, lambda s: ~input_done(s), n_best,
+                         functools.partial(_select_inputs, select_cache=select_cache), state,
                          batch=batch, num_steps=max_len,
                          sizes=shrink.sizes(batch))
