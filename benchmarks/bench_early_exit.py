@@ -11,7 +11,7 @@ vocabulary. Two regimes:
          numbers show what the chunked while-loop costs over a plain scan.
 
 Greedy search (which always exits early) is timed in both regimes too, and
-`--chunks` sweeps decoding.EARLY_EXIT_CHUNK.
+`--chunks` sweeps loops.EARLY_EXIT_CHUNK.
 
   python benchmarks/bench_early_exit.py
   python benchmarks/bench_early_exit.py --batch 64 --vocab 32000 --max_len 256
@@ -27,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from transformer.decoding import loops
 from transformer.decoding import search as decoding
 
 
@@ -116,7 +117,7 @@ def main():
          for r, f in regimes.items()}
   steps = {}
   for chunk in args.chunks:
-    decoding.EARLY_EXIT_CHUNK = chunk  # Read when tracing.
+    loops.EARLY_EXIT_CHUNK = chunk  # Read when tracing.
     b, g = beam(early_exit=True), greedy()
     for r, f in regimes.items():
       fns[("beam", chunk, r)] = functools.partial(b, cache, f)

@@ -120,7 +120,7 @@ def runs(workdir, env, tmp_path_factory):
     return beam, n_best
 
   def greedy_then_sample():
-    # --max_len a multiple of decoding.EARLY_EXIT_CHUNK: one loop body to compile.
+    # --max_len a multiple of loops.EARLY_EXIT_CHUNK: one loop body to compile.
     greedy = run_decode(env, f"--workdir={workdir}", f"--input={with_long}",
                         "--method=greedy", "--max_len=24", "--quiet")
     sample = run_decode(env, f"--workdir={workdir}", "--method=sample", "--top_k=1",

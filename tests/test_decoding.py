@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from transformer.decoding import sampling, search as decoding
+from transformer.decoding import loops
 from transformer.decoding import top_k as top_k_lib
 
 try:
@@ -396,7 +397,7 @@ def test_early_exit_stops_decoding():
   that (checks come after the max_len % chunk leftover steps, then every
   chunk)."""
   eos_id, max_len = 3, 42
-  chunk = decoding.EARLY_EXIT_CHUNK
+  chunk = loops.EARLY_EXIT_CHUNK
   leftover = max_len % chunk
   expected_calls = leftover + chunk * math.ceil(max(0, 3 - leftover) / chunk)
   assert expected_calls < max_len
@@ -668,7 +669,7 @@ def test_unfinished_first_is_a_stable_partition():
   for n in (1, 5, 32):
     for _ in range(20):
       unfinished = rng.random(n) < rng.random()
-      np.testing.assert_array_equal(decoding._unfinished_first(jnp.asarray(unfinished)),
+      np.testing.assert_array_equal(loops._unfinished_first(jnp.asarray(unfinished)),
                                     np.argsort(~unfinished, kind="stable"))
 
 

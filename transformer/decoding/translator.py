@@ -38,7 +38,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from transformer.data.tokenizer import Tokenizer
-from transformer.decoding import executable_cache, sampling
+from transformer.decoding import executable_cache, loops, sampling
 from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
 from transformer.model import kv_cache
@@ -394,7 +394,7 @@ class Translator:
     """Most tokens generated for a bucket of inputs padded to `src_len`."""
     out_len = max_len
     if out_len is None:  # rounded up to whole early-exit chunks: one compilation, not two
-      chunk = decoding.EARLY_EXIT_CHUNK
+      chunk = loops.EARLY_EXIT_CHUNK
       out_len = -(-(src_len + extra_len) // chunk) * chunk
     if self.config.positional == "learned":  # no position embedding past max_len (NaN)
       out_len = min(out_len, self.config.max_len)
