@@ -5,8 +5,11 @@ localhost write the output one process writes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
+import types
 from pathlib import Path
 
 import numpy as np
@@ -98,3 +101,77 @@ def test_two_processes_on_localhost_write_what_one_process_writes(tmp_path):
   assert len(lines) == 701 and json.loads(lines[300]) == {"line": 301, "source": "",
                                                           "hypotheses": []}
   assert two.read_bytes() == one.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def fixture_translator():
+  from transformer.decoding import loader
+  return loader.load_translator(str(FIXTURE_WORKDIR))
+
+
+def test_batches_decoded_side_by_side_translate_as_one_at_a_time(fixture_translator,
+                                                                monkeypatch):
+  """`concurrent_batches`: threads take the batches in turn and decode them
+  side by side. Every method gives what one batch at a time gives (texts,
+  scores, order, blank lines), and the batches really went through several
+  threads."""
+  import jax
+  translator = fixture_translator
+  pairs = demo_task.demo_splits(3, num_train=200, num_eval=1, num_test=1)["train"]
+  sentences = [s for s, _ in pairs[:45]] + ["", pairs[45][0] + " " + pairs[46][0]]
+  threads = []
+  dispatch = translator._dispatch
+
+  def recording(shape, inputs):
+    threads.append(threading.current_thread().name)
+    return dispatch(shape, inputs)
+  monkeypatch.setattr(translator, "_dispatch", recording)
+  runs = [dict(method="greedy"), dict(method="beam", n_best=2),
+          dict(method="sample", n_best=2, top_k=5, seed=3)]
+  with jax.default_matmul_precision("highest"):
+    for options in runs:
+      threads.clear()
+      one = translator.translate_hypotheses(sentences, batch_size=8, concurrent_batches=1,
+                                            **options)
+      batches, threads[:] = len(threads), []
+      three = translator.translate_hypotheses(sentences, batch_size=8, concurrent_batches=3,
+                                              **options)
+      assert batches >= 6 and len(threads) == batches and len(set(threads)) > 1, options
+      assert len(three) == len(sentences) and three[45] == one[45]
+      assert [[h.text for h in hyps] for hyps in three] == [[h.text for h in hyps]
+                                                            for hyps in one], options
+      np.testing.assert_array_equal([[h.score for h in hyps] for hyps in three],
+                                    [[h.score for h in hyps] for hyps in one])
+
+
+def test_an_error_in_one_of_the_side_by_side_batches_reaches_the_caller(fixture_translator,
+                                                                       monkeypatch):
+  translator = fixture_translator
+  sentences = [s for s, _ in demo_task.demo_splits(3, num_train=60, num_eval=1,
+                                                   num_test=1)["train"][:40]]
+  calls = []
+  dispatch = translator._dispatch
+
+  def failing(shape, inputs):
+    calls.append(shape)
+    if len(calls) == 2:
+      raise RuntimeError("out of memory (a test)")
+    return dispatch(shape, inputs)
+  monkeypatch.setattr(translator, "_dispatch", failing)
+  with pytest.raises(RuntimeError, match="a test"):
+    translator.translate(sentences, method="greedy", batch_size=4, concurrent_batches=2)
+  assert len(calls) < 10  # (the other lane stopped: 10 batches in all)
+
+
+def test_concurrent_batches_by_default_one_per_cpu_core(fixture_translator, monkeypatch):
+  import jax
+  from transformer.decoding import translator as translation
+  translator = fixture_translator
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+  assert translator.default_concurrent_batches() == 6
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+  assert translator.default_concurrent_batches() == translation.MAX_CONCURRENT_BATCHES == 8
+  monkeypatch.setattr(translator, "mesh", types.SimpleNamespace(devices=np.zeros(16)))
+  assert translator.default_concurrent_batches() == 4  # (64 cores over 16 devices)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert translator.default_concurrent_batches() == 1

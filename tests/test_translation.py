@@ -29,6 +29,7 @@ from transformer.runtime import errors
     (dict(min_len=-1), "min_len"),
     (dict(max_len=5, min_len=5), "min_len"),
     (dict(batch_size=0), "batch_size"),
+    (dict(concurrent_batches=-1), "concurrent_batches"),
 ])
 def test_check_options_names_the_option_and_its_value(options, option):
   with pytest.raises(errors.OptionError) as info:

@@ -11,7 +11,8 @@ METHODS = ("greedy", "beam", "sample")
 def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
                   max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
-                  batch_size: int = 32, batch_tokens: int = 0) -> None:
+                  batch_size: int = 32, batch_tokens: int = 0,
+                  concurrent_batches: int = 0) -> None:
   """Raises OptionError naming the first of `Translator.translate`'s options
   (same names and defaults) whose value cannot be used, and what to do."""
   if method not in METHODS:
@@ -46,3 +47,6 @@ def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: f
     raise OptionError("batch_size", batch_size, "must be >= 1")
   if batch_tokens < 0:
     raise OptionError("batch_tokens", batch_tokens, "must be >= 0 (0: batches of batch_size)")
+  if concurrent_batches < 0:
+    raise OptionError("concurrent_batches", concurrent_batches,
+                      "must be >= 0 (0: one per CPU core, 1 on a GPU or TPU)")

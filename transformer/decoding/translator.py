@@ -28,6 +28,9 @@ output lines and stderr).
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
 import time
 from typing import NamedTuple, Sequence
 
@@ -53,6 +56,7 @@ MIN_BUCKET = 8
 # unfinished inputs, down to 8 rows (`Translator._shrink`; measured in
 # docs/benchmarks.md: halving to 4 rows saved a little more for twice the compiling).
 SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
+MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
 
 
 class Hypothesis(NamedTuple):
@@ -226,6 +230,20 @@ class Translator:
         lambda state, indices: kv_cache.select_inputs(state, indices, self.config.scan_layers),
         factor=SHRINK_FACTOR, min_rows=max(SHRINK_MIN_ROWS, devices), multiple_of=devices)
 
+  def default_concurrent_batches(self) -> int:
+    """Batches decoded at once when the caller does not say: on a CPU, one
+    per core its devices leave (at most MAX_CONCURRENT_BATCHES: each holds
+    its own cache); elsewhere 1 (one batch at a time already fills a GPU or
+    TPU, and JAX overlaps the host's work with it).
+
+    Why on a CPU: a decoding step is many small ops, which XLA splits across
+    the cores poorly; two batches side by side on 2 cores decode 1.2-1.6x
+    faster than one batch at a time (docs/benchmarks.md)."""
+    if jax.default_backend() != "cpu":
+      return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_CONCURRENT_BATCHES, (cores or 1) // len(self.mesh.devices.flat)))
+
   # -- the public API --------------------------------------------------------
 
   def translate(self, sentences: Sequence[str], *, n_best: int = 1, **options):
@@ -248,7 +266,7 @@ class Translator:
       min_len: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
       seed: int = 0, n_best: int = 1, batch_size: int = 32, batch_tokens: int = 0,
       first_line: int = 0, progress: bool = False,
-      early_exit: bool = True, share: tuple[int, int] = (0, 1),
+      early_exit: bool = True, share: tuple[int, int] = (0, 1), concurrent_batches: int = 0,
       ) -> list[list[Hypothesis] | None]:
     """Translates `sentences` into `n_best` hypotheses each, best first.
 
@@ -279,6 +297,9 @@ class Translator:
         batches, so that every sentence is decoded in the batch, with the
         rows, it would be decoded in by one process (a sentence's last bits
         depend on its batch: `multihost.split_across_processes`).
+      concurrent_batches: batches decoded at once, each by a thread of its
+        own (the same results, in less time where one batch's small steps
+        leave cores idle); 0: `default_concurrent_batches()`.
     Returns:
       Per input, `n_best` Hypothesis(text, score, log_prob, length): `score`
       is what ranks them (beam: log p / lp(length); otherwise log p),
@@ -288,7 +309,7 @@ class Translator:
     check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
                   max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,
                   top_p=top_p, n_best=n_best, batch_size=batch_size,
-                  batch_tokens=batch_tokens)
+                  batch_tokens=batch_tokens, concurrent_batches=concurrent_batches)
     start = time.perf_counter()
     self._decoders_loaded = 0
     encoded, truncated = self._encode(sentences)
@@ -312,7 +333,15 @@ class Translator:
     decoded = sum(len(members) for _, members in batches)
     bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
                     dynamic_ncols=True)
-    generated, compile_seconds, host_seconds, pending = 0, 0.0, 0.0, None
+
+    def batch_inputs(shape, members) -> tuple:
+      """The decoder's arguments after the parameters for one batch."""
+      rows = shape[1]
+      inputs = pack_batch([encoded[i] for i in members], rows, shape[2], copies)
+      row_lines = np.zeros(rows, np.int32)
+      row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
+      row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
+      return inputs, rng, row_lines, row_copies, *options
 
     def finish(pending) -> int:
       """The hypotheses of a dispatched batch, read back (waiting for the
@@ -336,29 +365,58 @@ class Translator:
       bar.update(len(members))
       return tokens
 
-    # The device works on batch k while the host packs batch k + 1 and
-    # detokenizes batch k - 1 (JAX dispatches asynchronously).
+    # Every decoder this call needs, compiled (or loaded) before decoding starts.
+    first_batches: dict[tuple, list[int]] = {}
     for shape, members in batches:
-      host_start = time.perf_counter()
-      rows = shape[1]
-      inputs = pack_batch([encoded[i] for i in members], rows, shape[2], copies)
-      row_lines = np.zeros(rows, np.int32)
-      row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
-      row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
-      host_seconds += time.perf_counter() - host_start
-      seqs, scores, seconds = self._dispatch(
-          shape, (inputs, rng, row_lines, row_copies, *options))
-      compile_seconds += seconds
-      if pending is not None:
+      first_batches.setdefault(shape, members)
+    compile_seconds = sum(self._prepare(shape, batch_inputs(shape, members))
+                          for shape, members in first_batches.items())
+
+    queue = iter(batches)
+    take = threading.Lock()  # (lanes take the next batch in turn)
+    failed = threading.Event()  # (one lane's error stops the others)
+
+    def lane() -> tuple[int, float]:
+      """Decodes batches from `queue` until it is empty: (tokens generated,
+      host seconds). The device works on batch k while the host packs batch
+      k + 1 and detokenizes batch k - 1 (JAX dispatches asynchronously)."""
+      generated, host_seconds, pending = 0, 0.0, None
+      while not failed.is_set():
+        with take:
+          shape, members = next(queue, (None, None))
+        if shape is None:
+          break
         host_start = time.perf_counter()
-        generated += finish(pending)
+        inputs = batch_inputs(shape, members)
         host_seconds += time.perf_counter() - host_start
-      pending = ((shape, members), seqs, scores)
-      if not self.overlap:  # (for measuring what the overlap gains)
+        seqs, scores = self._dispatch(shape, inputs)
+        if pending is not None:
+          host_start = time.perf_counter()
+          generated += finish(pending)
+          host_seconds += time.perf_counter() - host_start
+        pending = ((shape, members), seqs, scores)
+        if not self.overlap:  # (for measuring what the overlap gains)
+          generated += finish(pending)
+          pending = None
+      if pending is not None:
         generated += finish(pending)
-        pending = None
-    if pending is not None:
-      generated += finish(pending)
+      return generated, host_seconds
+
+    lanes = min(concurrent_batches or self.default_concurrent_batches(), max(len(batches), 1))
+    if lanes == 1:
+      totals = [lane()]
+    else:  # each lane a thread: their batches run side by side
+      def guarded_lane():
+        try:
+          return lane()
+        except BaseException:
+          failed.set()
+          raise
+      with concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="decode") as pool:
+        futures = [pool.submit(guarded_lane) for _ in range(lanes)]
+        totals = [future.result() for future in futures]
+    generated = sum(tokens for tokens, _ in totals)
+    host_seconds = sum(seconds for _, seconds in totals)
     bar.close()
     self.last_stats = self._stats(len(sentences), decoded, truncated, generated,
                                   time.perf_counter() - start, compile_seconds, host_seconds)
@@ -400,25 +458,27 @@ class Translator:
       out_len = min(out_len, self.config.max_len)
     return out_len
 
-  def _dispatch(self, shape: tuple, inputs: tuple):
-    """Starts decoding one batch with the decoder of `shape` (`_decode_fn`'s
-    arguments), compiled the first time this shape is seen; `inputs`: the
-    decoder's arguments after the parameters. Returns (sequences [rows, n,
-    max_len], scores [rows, n]) as device arrays, still being computed, and
-    the seconds spent compiling."""
+  def _prepare(self, shape: tuple, inputs: tuple) -> float:
+    """Makes the decoder of `shape` (`_decode_fn`'s arguments) ready, compiled
+    the first time this shape is seen (or loaded, compiled by an earlier
+    process: executable_cache.py); `inputs`: a batch's arguments after the
+    parameters. Returns the seconds it took (0 if it was ready)."""
+    if shape in self._executables:
+      return 0.0
+    start = time.perf_counter()
     args = (self.params, self.logits_kernel, *inputs)
-    seconds = 0.0
-    if shape not in self._executables:  # compiled once per shape, timed apart
-      compile_start = time.perf_counter()
-      # (or loaded, compiled by an earlier process: executable_cache.py)
-      parts = {"model": self.config.to_dict(), "decoder": shape,
-               "arguments": executable_cache.describe(args)}
-      self._executables[shape], loaded = executable_cache.load_or_compile(
-          parts, lambda: self._decode_fn(*shape).lower(*args).compile())
-      self._decoders_loaded += loaded
-      seconds = time.perf_counter() - compile_start
-    seqs, scores = self._executables[shape](*args)
-    return seqs, scores, seconds
+    parts = {"model": self.config.to_dict(), "decoder": shape,
+             "arguments": executable_cache.describe(args)}
+    self._executables[shape], loaded = executable_cache.load_or_compile(
+        parts, lambda: self._decode_fn(*shape).lower(*args).compile())
+    self._decoders_loaded += loaded
+    return time.perf_counter() - start
+
+  def _dispatch(self, shape: tuple, inputs: tuple):
+    """Starts decoding one batch with the decoder of `shape` (`_prepare`d);
+    `inputs`: its arguments after the parameters. Returns (sequences [rows,
+    n, max_len], scores [rows, n]) as device arrays, still being computed."""
+    return self._executables[shape](self.params, self.logits_kernel, *inputs)
 
   def _stats(self, sentences: int, decoded: int, truncated: int, generated: int,
              seconds: float, compile_seconds: float, host_seconds: float) -> dict[str, float]:
