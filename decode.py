@@ -64,6 +64,12 @@ _METHOD = flags.DEFINE_string(
     "method", "beam", f"Decoding strategy: {' | '.join(decoding_options.METHODS)}.")
 _BEAM_SIZE = flags.DEFINE_integer(
     "beam_size", 4, "Beam search: hypotheses kept per sentence (the paper: 4).")
+_BEAM_STOP = flags.DEFINE_string(
+    "beam_stop", "exact", f"Beam search: when an input is done, "
+    f"{' | '.join(decoding_options.BEAM_STOPS)}. "
+    "exact: once no live hypothesis could beat its n-best at any length it can still "
+    "reach (what searching to --max_len gives); current: once none could were it to end "
+    "at the next step (HuggingFace's rule; faster, may miss a longer hypothesis).")
 _LENGTH_PENALTY = flags.DEFINE_float(
     "length_penalty", 0.6, "Beam search: alpha of the GNMT length penalty "
     "((5 + length) / 6)^alpha (the paper: 0.6; 0 = none).")
@@ -143,7 +149,8 @@ class WorkdirError(Exception):
 def translate_options() -> dict:
   """`Translator.translate_hypotheses`' options from the flags of the same names."""
   return dict(method=_METHOD.value, beam_size=_BEAM_SIZE.value,
-              length_penalty=_LENGTH_PENALTY.value, max_len=_MAX_LEN.value,
+              length_penalty=_LENGTH_PENALTY.value, beam_stop=_BEAM_STOP.value,
+              max_len=_MAX_LEN.value,
               min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
               top_p=_TOP_P.value, seed=_SEED.value, n_best=_N_BEST.value,
               batch_size=_BATCH_SIZE.value, batch_tokens=_BATCH_TOKENS.value,

@@ -157,11 +157,16 @@ def test_translator_keeps_order_count_and_empty_lines(run_example):
   # Short sentences (one padded length) and the example's settings: few compilations.
   sentences = ["forty-two red apples", "", "one small cat", "  ", "seven new cars"]
   for kwargs in (dict(method="greedy"), dict(method="beam"),
+                 dict(method="beam", beam_stop="current"),
                  dict(method="sample", top_k=5, top_p=0.9, temperature=0.7, seed=3)):
     out = translator.translate(sentences, **kwargs)
     assert len(out) == len(sentences), kwargs
     assert all(isinstance(s, str) for s in out), kwargs
     assert out[1] == "" and out[3] == "", kwargs
+  # Without a length penalty, stopping at the next step's bound is exact.
+  assert (translator.translate(sentences, method="beam", length_penalty=0.0,
+                               beam_stop="current")
+          == translator.translate(sentences, method="beam", length_penalty=0.0))
   # Greedy decoding is deterministic, and one sentence alone decodes as in a batch.
   greedy = translator.translate(sentences, method="greedy")
   assert translator.translate([sentences[2]], method="greedy") == [greedy[2]]

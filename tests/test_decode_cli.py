@@ -302,6 +302,7 @@ def test_unknown_checkpoint(workdir, env):
     (["--top_p=0"], "--top_p=0"),
     (["--top_p=1.5"], "--top_p=1.5"),
     (["--method=viterbi"], "--method=viterbi"),
+    (["--beam_stop=soon"], "--beam_stop"),
     (["--checkpoint=best"], "--checkpoint=best"),
     (["--cpu_devices=-1"], "--cpu_devices=-1"),
     ([], "--workdir"),

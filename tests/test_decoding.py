@@ -157,7 +157,8 @@ def make_markov_model(log_table):
 # Arguments that fix shapes or Python control flow; the others (ids, lengths,
 # alpha, temperature, top_p, the PRNG key) are passed traced, which checks that
 # nothing is hard-coded and lets tests share compilations.
-STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache", "shrink")
+STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache", "shrink",
+               "n_best", "stop")
 # Compiling dominates the run time of these tests; XLA's -O0 cuts it by about a
 # third and does not change what is computed.
 jit = functools.partial(jax.jit,
@@ -390,6 +391,87 @@ def test_beam_search_early_exit_changes_nothing(seed, alpha, min_len, eos_bias):
   full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
   np.testing.assert_array_equal(fast[0], full[0])
   np.testing.assert_array_equal(fast[1], full[1])
+
+
+@pytest.mark.parametrize("seed,alpha,min_len,eos_bias,n_best", [
+    (0, 0.6, 0, 1.0, 1),
+    (0, 2.0, 0, 2.5, 1),  # The bound at the next length alone would stop too soon.
+    (1, 0.0, 3, 0.0, 2),
+    (3, 0.6, 2, -np.inf, 1),  # Nothing ever finishes.
+    (4, 1.5, 0, 2.5, 3),  # Stopping once the best is final would change the 2nd / 3rd.
+])
+def test_beam_search_early_exit_keeps_the_first_n_best_exact(seed, alpha, min_len,
+                                                              eos_bias, n_best):
+  """Stopping once the first n_best hypotheses are final: they (and their
+  scores) are those of the search run to max_len."""
+  eos_id, max_len = 5, 21
+  table = random_table(200 + seed, VOCAB)
+  table[:, eos_id] += eos_bias
+  kw = dict(max_len=max_len, beam_size=4, length_penalty=alpha, bos_id=0,
+            eos_id=eos_id, min_len=min_len)
+  fast = run(decoding.beam_search, table, OFFSETS, n_best=n_best, **kw)
+  full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
+  np.testing.assert_array_equal(fast[0][:, :n_best], full[0][:, :n_best])
+  np.testing.assert_array_equal(fast[1][:, :n_best], full[1][:, :n_best])
+
+
+@pytest.mark.parametrize("alpha", [0.0, -0.5])
+def test_beam_stop_current_is_exact_when_longer_outputs_gain_nothing(alpha):
+  """With alpha <= 0 the length penalty never grows with the length, so the
+  bound at the next step's length is the bound over every length."""
+  eos_id, max_len = 5, 21
+  table = random_table(300, VOCAB)
+  table[:, eos_id] += 1.5
+  kw = dict(max_len=max_len, beam_size=4, length_penalty=alpha, bos_id=0, eos_id=eos_id)
+  fast = run(decoding.beam_search, table, OFFSETS, stop="current", n_best=1, **kw)
+  full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
+  np.testing.assert_array_equal(fast[0][:, 0], full[0][:, 0])
+  np.testing.assert_array_equal(fast[1][:, 0], full[1][:, 0])
+
+
+def test_beam_stop_current_gives_up_a_longer_better_hypothesis():
+  """Hand-computed (beam 1, alpha 2, lp(n) = ((5 + n) / 6)^2): after BOS,
+  EOS 0.45, A 0.3, B 0.25; after A, C 0.999; after C, EOS 0.999.
+  Step 1 keeps EOS (finished, score log 0.45 / lp(1) = -0.799) and A (alive,
+  log 0.3 = -1.204). "current" bounds A by -1.204 / lp(2) = -0.885 < -0.799
+  and stops at the first check (after step 1 of 9); "exact" bounds it by
+  -1.204 / lp(9) = -0.221 and goes on to A C EOS, whose score
+  (log 0.3 + 2 log 0.999) / lp(3) = -0.678 beats EOS."""
+  pad, bos, eos, a, b, c = range(6)
+  probs = np.full((6, 6), 1e-12)
+  probs[bos, [eos, a, b]] = [0.45, 0.3, 0.25]
+  probs[a, [c, eos]] = [0.999, 0.001]
+  probs[c, [eos, a]] = [0.999, 0.001]
+  probs[b, [b, eos]] = [0.5, 0.5]
+  probs[pad, eos] = probs[eos, eos] = 1.0
+  log_table = jnp.asarray(np.log(probs / probs.sum(1, keepdims=True)), jnp.float32)
+  max_len = loops.EARLY_EXIT_CHUNK + 1  # The first check comes after step 1.
+  alpha = 2.0
+
+  def search(stop, early_exit=True):
+    fn = lambda cache: decoding.beam_search(
+        make_markov_model(log_table), cache, batch_size=1, beam_size=1, max_len=max_len,
+        length_penalty=alpha, bos_id=bos, eos_id=eos, early_exit=early_exit, stop=stop)
+    cache = dict(index=jnp.int32(0), offset=jnp.zeros((1,), jnp.int32))
+    seqs, scores = jax.jit(fn)(cache)
+    return np.asarray(seqs)[0, 0], float(scores[0, 0])
+
+  lp = lambda n: ((5 + n) / 6) ** alpha
+  seqs, score = search("current")
+  assert list(seqs) == [eos] + [0] * (max_len - 1)
+  assert score == pytest.approx(math.log(0.45) / lp(1), rel=1e-5)
+  for stop, early_exit in (("exact", True), ("exact", False), ("current", False)):
+    seqs, score = search(stop, early_exit)
+    assert list(seqs) == [a, c, eos] + [0] * (max_len - 3), (stop, early_exit)
+    assert score == pytest.approx(math.log(0.3 * 0.999 * 0.999) / lp(3), rel=1e-4)
+
+
+def test_beam_search_rejects_n_best_and_stop_out_of_range():
+  for bad in (dict(n_best=0), dict(n_best=5), dict(stop="soon")):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      decoding.beam_search(make_markov_model(jnp.zeros((5, 5))),
+                           dict(index=jnp.int32(0), offset=jnp.zeros((1,), jnp.int32)),
+                           batch_size=1, beam_size=4, max_len=4, bos_id=1, eos_id=2, **bad)
 
 
 def test_early_exit_stops_decoding():

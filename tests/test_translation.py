@@ -25,6 +25,7 @@ from transformer.runtime import errors
     (dict(top_k=-1), "top_k"),
     (dict(temperature=-0.5), "temperature"),
     (dict(length_penalty=-1.0), "length_penalty"),
+    (dict(beam_stop="soon"), "beam_stop"),
     (dict(max_len=0), "max_len"),
     (dict(min_len=-1), "min_len"),
     (dict(max_len=5, min_len=5), "min_len"),

@@ -6,9 +6,11 @@ from __future__ import annotations
 from transformer.runtime.errors import OptionError
 
 METHODS = ("greedy", "beam", "sample")
+BEAM_STOPS = ("exact", "current")  # beam search's early-exit bounds (search.beam_search)
 
 
 def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
+                  beam_stop: str = "exact",
                   max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
                   batch_size: int = 32, batch_tokens: int = 0,
@@ -18,6 +20,8 @@ def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: f
   if method not in METHODS:
     raise OptionError("method", method,
                       f"unknown decoding method; choose one of {', '.join(METHODS)}")
+  if beam_stop not in BEAM_STOPS:
+    raise OptionError("beam_stop", beam_stop, f"must be one of {', '.join(BEAM_STOPS)}")
   if beam_size < 1:
     raise OptionError("beam_size", beam_size, "must be >= 1")
   if n_best < 1:

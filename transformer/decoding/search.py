@@ -72,6 +72,7 @@ from jax import lax
 
 from transformer.decoding.loops import (PyTree, Shrink, _decode_loop, _map_batched,
                                         _select_inputs, _shrinking_loop)
+from transformer.decoding.options import BEAM_STOPS
 from transformer.decoding.top_k import NEG_INF, beam_candidates_top_k
 
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
@@ -274,7 +275,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                 early_exit: bool = True,
                 reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
                 shrink: Shrink | None = None,
-                empty_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                empty_rows: jax.Array | None = None,
+                n_best: int | None = None, stop: str = "exact") -> tuple[jax.Array, jax.Array]:
   """Beam search with the GNMT length penalty.
 
   One function on purpose: its step (`step_fn`) and stopping test (`done_fn`)
@@ -299,11 +301,21 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
   space is smaller than the beam) have score -inf.
 
   Early exit. An input is done when no alive hypothesis can still beat its
-  worst finished one: log-probs only decrease, so an alive hypothesis with
+  n_best-th finished one: log-probs only decrease, so an alive hypothesis with
   log-prob s <= 0 ends with a score of at most s / max(lp(n)) over the lengths
-  n it can still reach (the T2T bound). When every input is done decoding
-  stops (checked every EARLY_EXIT_CHUNK steps). The result is identical to
-  `early_exit=False`.
+  n it can still reach (the T2T bound), and whatever finishes later ranks
+  after the first n_best. When every input is done decoding stops (checked
+  every EARLY_EXIT_CHUNK steps). The first n_best hypotheses and scores are
+  identical to `early_exit=False`'s (all of them with n_best = beam_size: the
+  T2T rule; a caller that keeps only the best needs only the first to be
+  final, often many steps sooner).
+
+  `stop="current"` bounds an alive hypothesis by its score were it to end at
+  the next step instead (HuggingFace's default rule; CTranslate2 and fairseq
+  stop sooner still): with alpha > 0 a longer continuation gains length
+  normalization, so a hypothesis that would have overtaken the n-best can be
+  cut off. Not exact; much faster, since the exact bound, taken at max_len,
+  keeps inputs going long after their best hypothesis ended.
 
   Args:
     tokens_to_logits: (token_ids [batch * beams] int32, cache) ->
@@ -330,13 +342,23 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       gathers the beams' rows of those inputs, axis 0 of every leaf).
     empty_rows: [batch] bool, inputs with nothing to decode (filling up the
       batch): no hypothesis, done from the start (scores -inf, sequences 0).
+    n_best: the hypotheses per input early exit keeps exact (above), 1 ...
+      beam_size; None: beam_size.
+    stop: "exact" or "current": the early-exit bound (above).
 
   Returns:
-    sequences: [batch, beam_size, max_len] int32, n-best, best first.
+    sequences: [batch, beam_size, max_len] int32, n-best, best first (with
+      early exit, the slots after the first n_best may hold hypotheses that
+      a longer search would have replaced).
     scores: [batch, beam_size] float32, log p / lp as above.
   """
   alpha = length_penalty
   batch, beams = batch_size, beam_size
+  n_best = beams if n_best is None else n_best
+  if not 1 <= n_best <= beams:
+    raise ValueError(f"n_best={n_best} must be in 1 ... beam_size={beams}")
+  if stop not in BEAM_STOPS:
+    raise ValueError(f"stop={stop!r} must be one of {BEAM_STOPS}")
   if reorder_cache is None:
     _check_cache(cache, batch_size)
     cache = _map_batched(lambda x: jnp.repeat(x, beams, axis=0), cache)
@@ -394,19 +416,21 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     )
 
   def input_done(state: _BeamState) -> jax.Array:
-    """[batch] bool: no alive hypothesis of the input can still change its n-best."""
+    """[batch] bool: no alive hypothesis of the input can still change its
+    first n_best hypotheses."""
     best_alive = state.alive_log_probs[:, 0]  # Sorted: best first.
-    worst_finished = state.finished_scores[:, -1]  # -inf until all slots fill.
+    worst_finished = state.finished_scores[:, n_best - 1]  # -inf until n_best finish.
     # Largest lp over the lengths an alive hypothesis can still reach (lp is
     # monotone in the length, so it is at one end); s / lp is largest there
-    # because s <= 0.
-    max_lp = jnp.maximum(gnmt_length_penalty(state.step + 1, alpha),
-                         gnmt_length_penalty(max_len, alpha))
+    # because s <= 0. "current": only the next step's length.
+    max_lp = gnmt_length_penalty(state.step + 1, alpha)
+    if stop == "exact":
+      max_lp = jnp.maximum(max_lp, gnmt_length_penalty(max_len, alpha))
     cannot_improve = best_alive / max_lp < worst_finished
     no_alive = best_alive == NEG_INF
     return cannot_improve | no_alive
 
-  def n_best(state: _BeamState) -> tuple[jax.Array, jax.Array]:
+  def results(state: _BeamState) -> tuple[jax.Array, jax.Array]:
     """The finished hypotheses, then (in the slots finished ones did not fill)
     the alive ones, truncated at max_len. Both blocks are sorted best first,
     so a stable sort that only moves empty slots (-inf) to the end keeps that
@@ -435,13 +459,13 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
   if shrink is None or not early_exit:
     state = _decode_loop(step_fn, lambda s: jnp.all(input_done(s)), state, max_len,
                          early_exit)
-    return n_best(state)
+    return results(state)
   select_cache = shrink.select_cache
   if select_cache is None:  # a cache of batch * beams rows: the beams' rows of each input
     select_cache = lambda cache, indices: _map_batched(
         lambda x: x[(indices[:, None] * beams + jnp.arange(beams)).reshape(-1)], cache)
 
-  return _shrinking_loop(step_fn, lambda s: ~input_done(s), n_best,
+  return _shrinking_loop(step_fn, lambda s: ~input_done(s), results,
                          functools.partial(_select_inputs, select_cache=select_cache), state,
                          batch=batch, num_steps=max_len,
                          sizes=shrink.sizes(batch))

@@ -165,7 +165,8 @@ class Translator:
 
   def _decode_fn(self, method: str, batch: int, src_len: int, max_len: int,
                  beam_size: int, top_k: int, early_exit: bool = True,
-                 temperature_on: bool = True, top_p_on: bool = True):
+                 temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
+                 beam_stop: str = "exact"):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], rng, row_lines [batch],
     row_copies [batch], length_penalty, temperature, top_p, min_len) ->
@@ -174,7 +175,9 @@ class Translator:
     tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`: a line's
     sample depends on the seed and its line number only. A temperature of 1 or
     a top_p of 1 (`temperature_on`, `top_p_on` False) is left out of the
-    program (no division, no sort of the vocabulary)."""
+    program (no division, no sort of the vocabulary). Beam search stops an
+    input once its first `n_best` hypotheses are final (0: all beam_size), by
+    the bound `beam_stop` names (`search.beam_search`'s `stop`)."""
     cfg, model = self.config, self.model
 
     def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
@@ -197,7 +200,8 @@ class Translator:
       if method == "beam":
         return decoding.beam_search(
             tokens_to_logits, state(beam_size), beam_size=beam_size,
-            length_penalty=length_penalty, early_exit=early_exit,
+            length_penalty=length_penalty, early_exit=early_exit, n_best=n_best or None,
+            stop=beam_stop,
             reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
             **common)
       if method == "greedy":
@@ -262,7 +266,8 @@ class Translator:
 
   def translate_hypotheses(
       self, sentences: Sequence[str], *, method: str = "beam", beam_size: int = 4,
-      length_penalty: float = 0.6, max_len: int | None = None, extra_len: int = 50,
+      length_penalty: float = 0.6, beam_stop: str = "exact",
+      max_len: int | None = None, extra_len: int = 50,
       min_len: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
       seed: int = 0, n_best: int = 1, batch_size: int = 32, batch_tokens: int = 0,
       first_line: int = 0, progress: bool = False,
@@ -274,6 +279,10 @@ class Translator:
       sentences: source sentences (one per item; "" translates to "").
       method: "greedy", "beam" or "sample".
       beam_size, length_penalty: beam search (the paper: 4 and 0.6).
+      beam_stop: when beam search stops an input: "exact" (once no alive
+        hypothesis could beat its n-best at any length it can still reach:
+        what searching to max_len gives) or "current" (once none could at
+        its next step's length: faster, not exact; `search.beam_search`).
       max_len: most tokens generated (EOS included); None: input length + extra_len.
       min_len: fewest tokens before EOS may be generated.
       temperature, top_k, top_p, seed: sampling (top_k 0, top_p 1 and
@@ -307,6 +316,7 @@ class Translator:
       generated tokens counting the EOS. None for the inputs of other shares.
     """
     check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
+                  beam_stop=beam_stop,
                   max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,
                   top_p=top_p, n_best=n_best, batch_size=batch_size,
                   batch_tokens=batch_tokens, concurrent_batches=concurrent_batches)
@@ -326,7 +336,8 @@ class Translator:
     for src_len, members in length_buckets(encoded, self.config.max_len):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
       shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
-               beam_size, top_k, early_exit, *switches)
+               beam_size, top_k, early_exit, *switches,
+               *((n_best, beam_stop) if method == "beam" else (0, "exact")))
       per_batch = max(1, rows // copies)
       batches += [(shape, members[b:b + per_batch]) for b in range(0, len(members), per_batch)]
     batches = batches[share_index::share_count]
