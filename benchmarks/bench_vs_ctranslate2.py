@@ -106,6 +106,12 @@ def main() -> int:
   parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
   parser.add_argument("--commands", action="store_true",
                       help="also time the whole commands (decode.py and a CTranslate2 script)")
+  parser.add_argument("--concurrent_batches", default="0",
+                      help="ours: comma-separated values of decode.py --concurrent_batches "
+                      "(0 = one per core on a CPU), a row each")
+  parser.add_argument("--beam_stops", default="exact",
+                      help="ours, beam search: comma-separated values of decode.py --beam_stop, "
+                      "a row each")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
 
@@ -141,23 +147,31 @@ def main() -> int:
         rows.append((f"CTranslate2 {quantization}", speed, wall, bleu(hyps, references)))
         if quantization == "float32":
           float32_hyps = hyps
-      options = dict(method=method, beam_size=4, batch_size=batch)
-      translator.translate(sources, **options)  # every shape compiled
-      hyps = translator.translate(sources, **options)
-      stats = translator.last_stats
-      speed = stats["sentences"] / max(stats["seconds"] - stats["compile_seconds"], 1e-9)
-      wall = float("nan")
-      if args.commands:
-        command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
-                   f"--input={src_file}", f"--output={out / 'ours.out'}", f"--method={method}",
-                   f"--batch_size={batch}"]
-        command_seconds(command)  # fills the compilation cache
-        (out / "ours.out").unlink()
-        wall = command_seconds(command)
-      rows.append(("decode.py / Translator", speed, wall, bleu(hyps, references)))
-      same = sum(a == b for a, b in zip(hyps, float32_hyps))
-      notes.append(f"{method}, batch {batch}: {same} of {len(hyps)} translations identical to "
-                   "CTranslate2 float32's")
+      stops = args.beam_stops.split(",") if method == "beam" else ["exact"]
+      for lanes in (int(n) for n in args.concurrent_batches.split(",")):
+        for stop in stops:
+          options = dict(method=method, beam_size=4, batch_size=batch, beam_stop=stop,
+                         concurrent_batches=lanes)
+          translator.translate(sources, **options)  # every shape compiled
+          hyps = translator.translate(sources, **options)
+          stats = translator.last_stats
+          speed = stats["sentences"] / max(stats["seconds"] - stats["compile_seconds"], 1e-9)
+          wall = float("nan")
+          if args.commands:
+            command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
+                       f"--input={src_file}", f"--output={out / 'ours.out'}",
+                       f"--method={method}", f"--batch_size={batch}", f"--beam_stop={stop}",
+                       f"--concurrent_batches={lanes}"]
+            command_seconds(command)  # fills the compilation cache
+            (out / "ours.out").unlink()
+            wall = command_seconds(command)
+          label = "decode.py / Translator" + "".join(
+              f", {flag}" for flag, shown in ((f"{lanes} lanes", lanes != 0),
+                                             (f"beam_stop={stop}", stop != "exact")) if shown)
+          rows.append((label, speed, wall, bleu(hyps, references)))
+          same = sum(a == b for a, b in zip(hyps, float32_hyps))
+          notes.append(f"{method}, batch {batch} ({label}): {same} of {len(hyps)} translations "
+                       "identical to CTranslate2 float32's")
       reference_speed = rows[0][1]
       for engine, speed, wall, score in rows:
         print(f"| {engine} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
