@@ -8,8 +8,9 @@ Checks (per shape; "error" is max |got - reference| / max |reference| over
 every compared array, so one tolerance fits any size):
 
   attention        scaled_dot_product_attention with each implementation that
-                   runs here (einsum, xla, and cudnn where the model would pick
-                   it) against a float32 einsum reference of Equation (1) at
+                   runs here (einsum, xla, and cudnn on an NVIDIA GPU where
+                   it takes the shape, the model's default or not) against
+                   a float32 einsum reference of Equation (1) at
                    "highest" matmul precision: output and gradients for q, k, v,
                    two packed segments + padding + causal mask, float32 inputs
                    (run at "highest") and bfloat16 inputs (the default precision).
@@ -209,10 +210,11 @@ def check_attention(attention: Callable, implementation: str, dtype: str, inputs
 
 def attention_implementations(head_dim: int) -> list[str]:
   """What can compute attention on this device: the einsums and XLA always,
-  cuDNN where the model would choose it for bfloat16."""
-  chosen = attention_choice.choose_attention_implementation(
-      None, backend=attention_choice.attention_backend(), dtype=jnp.bfloat16, head_dim=head_dim)
-  return ["einsum", "xla"] + (["cudnn"] if chosen == "cudnn" else [])
+  cuDNN on an NVIDIA GPU where it takes bfloat16 at this head size (whether or
+  not the model uses it by default: this check is what decides that)."""
+  cudnn = (attention_choice.attention_backend() == "gpu"
+           and attention_choice.cudnn_problem(jnp.bfloat16, head_dim) is None)
+  return ["einsum", "xla"] + (["cudnn"] if cudnn else [])
 
 
 def attention_rows(shape: str, config, batch: int, length: int) -> list[Row]:
@@ -450,27 +452,33 @@ def guarded(shape: str, check: str, fn: Callable, *args) -> list[Row]:
   return rows if isinstance(rows, list) else [rows]
 
 
-def check_shape(shape: str, repeats: int, peak: float) -> list[Row]:
-  """Every check and timing of the table for one common.SHAPES entry."""
+def check_shape(shape: str, repeats: int, peak: float):
+  """Every check and timing of the table for one common.SHAPES entry, each
+  check's rows yielded as soon as they are known (a run cut short by a time
+  limit still shows what it got)."""
   config, batch, src_len, tgt_len = common.SHAPES[shape](dtype="bfloat16")
-  return [
-      *guarded(shape, "attention", attention_rows, shape, config, batch, tgt_len),
-      *guarded(shape, "dropout", dropout_rows, shape, config, batch, tgt_len, repeats),
-      *guarded(shape, "LayerNorm", layer_norm_rows, shape, config, batch, tgt_len),
-      *guarded(shape, "cached decoding", cached_decoding_rows, shape, config, batch,
-               src_len, tgt_len),
-      *guarded(shape, "training step", training_row, shape, repeats, peak),
-      *guarded(shape, "decoding", decoding_row, shape, "greedy", 1, repeats),
-      *guarded(shape, "decoding", decoding_row, shape, "beam", 4, repeats)]
+  yield from guarded(shape, "attention", attention_rows, shape, config, batch, tgt_len)
+  yield from guarded(shape, "dropout", dropout_rows, shape, config, batch, tgt_len, repeats)
+  yield from guarded(shape, "LayerNorm", layer_norm_rows, shape, config, batch, tgt_len)
+  yield from guarded(shape, "cached decoding", cached_decoding_rows, shape, config, batch,
+                     src_len, tgt_len)
+  yield from guarded(shape, "training step", training_row, shape, repeats, peak)
+  yield from guarded(shape, "decoding", decoding_row, shape, "greedy", 1, repeats)
+  yield from guarded(shape, "decoding", decoding_row, shape, "beam", 4, repeats)
+
+
+TABLE_HEADER = ("| shape | check | implementation | dtype | error | tolerance | result | measured |\n"
+                "|---|---|---|---|---|---|---|---|")
+
+
+def format_row(r: Row) -> str:
+  number = lambda x: "-" if x is None else ("0" if x == 0 else f"{x:.1e}")
+  return (f"| {r.shape} | {r.check} | {r.implementation} | {r.dtype} | {number(r.error)} "
+          f"| {number(r.tolerance)} | {r.result} | {r.measured} |")
 
 
 def format_table(rows: list[Row]) -> str:
-  number = lambda x: "-" if x is None else ("0" if x == 0 else f"{x:.1e}")
-  lines = ["| shape | check | implementation | dtype | error | tolerance | result | measured |",
-           "|---|---|---|---|---|---|---|---|"]
-  lines += [f"| {r.shape} | {r.check} | {r.implementation} | {r.dtype} | {number(r.error)} "
-            f"| {number(r.tolerance)} | {r.result} | {r.measured} |" for r in rows]
-  return "\n".join(lines)
+  return "\n".join([TABLE_HEADER] + [format_row(r) for r in rows])
 
 
 def main(argv=None) -> int:
@@ -486,8 +494,6 @@ def main(argv=None) -> int:
   repeats = args.repeats or (3 if cpu else 20)
   device = jax.devices()[0]
   peak, peak_at = peak_flops_per_device()
-  rows = [row for shape in shapes for row in check_shape(shape, repeats, peak)]
-
   rated = flops.rated_peak()
   print(f"\n{jax.device_count()} x {device.device_kind} ({device.platform}, attention "
         f"backend {attention_choice.attention_backend()!r}); jax {jax.__version__}; "
@@ -499,7 +505,12 @@ def main(argv=None) -> int:
     print(f"{shape}: {attention_choice.attention_implementation_name(config)}")
   print("error: max |got - reference| / max |reference| over the compared arrays; "
         "float32 checks at matmul precision 'highest'\n")
-  print(format_table(rows))
+  print(TABLE_HEADER, flush=True)
+  rows = []
+  for shape in shapes:
+    for row in check_shape(shape, repeats, peak):
+      rows.append(row)
+      print(format_row(row), flush=True)
   failed = [r for r in rows if not r.passed]
   print(f"\n{len(rows) - len(failed)} of {len(rows)} rows PASS"
         + (f"; FAIL: {', '.join(f'{r.shape} {r.check} {r.implementation} {r.dtype}' for r in failed)}"

@@ -122,9 +122,9 @@ def scaled_dot_product_attention(
   Returns:
     `([batch, q_length, heads, d_v], weights [batch, heads, q_length, kv_length] or None)`.
     A query whose every key is hidden (padding) gets uniform weights in the
-    einsums and in XLA, and in cuDNN with bfloat16 (its mask bias, -2^41,
-    swamps the scores); with float16 (bias -2^15) cuDNN gives it softmax of its
-    scores. No NaN in any path, and no loss or real position depends on such a row.
+    einsums and in XLA: no NaN, and no loss or real position depends on such
+    a row. cuDNN (on request only) gave non-finite values on such rows in its
+    first GPU check (attention_choice.py).
   """
   if cached:
     # The same equation for one new position per row. It replaces the einsums
