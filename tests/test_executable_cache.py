@@ -4,6 +4,7 @@ same, and never runs a decoder whose code, model or shape differs."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -52,8 +53,11 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
                                                                      monkeypatch):
   first, stats = _translate(method="beam")
   stored = sorted(cache_dir.iterdir())
-  assert stats["decoders_loaded"] == 0 and len(stored) == 2  # two length buckets
+  assert stats["decoders_loaded"] == 0
+  assert len(list(cache_dir.glob("*.bin"))) == 2  # two length buckets
+  assert len(list(cache_dir.glob("*.shapes"))) == 1  # the parameters' shapes
   _never_trace(monkeypatch)
+  monkeypatch.setattr(loader, "init_params", lambda *a: pytest.fail("the model was traced"))
   second, stats = _translate(method="beam")
   assert second == first and stats["decoders_loaded"] == 2
   assert sorted(cache_dir.iterdir()) == stored
@@ -62,9 +66,9 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
 @pytest.mark.slow  # (15-25 s on 2 cores: `python -m pytest -m slow`)
 def test_other_code_or_options_are_other_decoders(cache_dir, monkeypatch):
   _translate(method="greedy")
-  stored = set(cache_dir.iterdir())
+  stored = set(cache_dir.glob("*.bin"))
   _, stats = _translate(method="greedy", max_len=20)  # another program
-  assert stats["decoders_loaded"] == 0 and len(set(cache_dir.iterdir()) - stored) == 2
+  assert stats["decoders_loaded"] == 0 and len(set(cache_dir.glob("*.bin")) - stored) == 2
   monkeypatch.setattr(executable_cache, "source_hash", lambda: "the code changed")
   _, stats = _translate(method="greedy")
   assert stats["decoders_loaded"] == 0
@@ -74,7 +78,7 @@ def test_a_file_that_does_not_load_is_compiled_again(cache_dir, caplog):
   """... and kept again whole, although JAX's persistent cache now holds the
   program (a decoder read from there would not serialize whole)."""
   first, _ = _translate(method="greedy")
-  for path in cache_dir.iterdir():
+  for path in cache_dir.glob("*.bin"):
     path.write_bytes(path.read_bytes()[:100])  # truncated
   hits = executable_cache._persistent_cache_hits
   with caplog.at_level(logging.WARNING):
@@ -91,3 +95,36 @@ def test_off_with_the_compilation_cache():
   assert executable_cache.directory() is None
   compiled, loaded = executable_cache.load_or_compile({}, lambda: "compiled")
   assert (compiled, loaded) == ("compiled", False)
+  shapes = executable_cache.load_or_eval_shape({}, lambda: jax.numpy.zeros((2, 3)))
+  assert shapes.shape == (2, 3)
+
+
+def test_shapes_are_traced_once_and_equal_eval_shape(cache_dir, caplog):
+  """load_or_eval_shape: jax.eval_shape's tree (structure, shapes, dtypes),
+  traced at the first call only; another key traces again; a file that does
+  not load is traced again and replaced."""
+  import jax.numpy as jnp
+  calls = []
+
+  def fn(x):
+    calls.append(1)
+    return {"w": jnp.zeros((x.shape[0], 3), jnp.bfloat16), "b": [x.sum(), x[:2]]}
+
+  x = jnp.ones((5,), jnp.float32)
+  want = jax.eval_shape(fn, x)
+  calls.clear()
+  fresh = lambda: functools.partial(fn)  # (a new function: JAX keeps traces per function)
+  for _ in range(2):
+    got = executable_cache.load_or_eval_shape({"model": "a"}, fresh(), x)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert [(l.shape, l.dtype) for l in jax.tree.leaves(got)] == [
+        (l.shape, l.dtype) for l in jax.tree.leaves(want)]
+  assert len(calls) == 1
+  executable_cache.load_or_eval_shape({"model": "b"}, fresh(), x)
+  assert len(calls) == 2
+  for path in cache_dir.glob("*.shapes"):
+    path.write_bytes(path.read_bytes()[:10])
+  with caplog.at_level(logging.WARNING):
+    got = executable_cache.load_or_eval_shape({"model": "a"}, fresh(), x)
+  assert "did not load" in caplog.text and len(calls) == 3
+  assert jax.tree.structure(got) == jax.tree.structure(want)

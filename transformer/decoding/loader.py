@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from transformer.data.tokenizer import load_tokenizer
+from transformer.decoding import executable_cache
 from transformer.decoding.translator import Translator
 from transformer.model.transformer import init_params
 from transformer.runtime import averaging, multihost, parallel
@@ -45,7 +46,11 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   workdir = str(multihost.resolve(workdir))  # orbax restores only from absolute paths
   model_config = load_model_config(workdir)
   tokenizer = load_tokenizer(vocab_path(workdir))
-  target = jax.eval_shape(functools.partial(init_params, model_config), jax.random.key(0))
+  # The parameters' shapes, traced from the model once and then kept with the
+  # compiled decoders (a trace of the whole model at every start otherwise).
+  target = executable_cache.load_or_eval_shape(
+      {"model": model_config.to_dict(), "of": "init_params"},
+      functools.partial(init_params, model_config), jax.random.key(0))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
