@@ -196,6 +196,7 @@ def test_gradient_accumulation_reduces_the_gradients_once_per_update():
   assert outside_4 == outside_1, rows            # the same bytes as without accumulation
 
 
+@pytest.mark.slow  # (~22 s on 2 cores: `python -m pytest -m slow`)
 def test_plain_jit_would_reduce_the_gradients_at_every_micro_batch():
   # The premise of the shard_map above (measured on main before it: 134,672
   # float32 bytes all-reduced inside the accumulation loop).

@@ -82,6 +82,7 @@ def test_fsdp_parameters_on_eight_devices_decode_as_replicated_ones():
 
 
 
+@pytest.mark.slow  # (~32 s on 2 cores: `python -m pytest -m slow`)
 def test_two_processes_on_localhost_write_what_one_process_writes(tmp_path):
   pairs = demo_task.demo_splits(2, num_train=700, num_eval=1, num_test=1)["train"]
   src = tmp_path / "in.txt"
