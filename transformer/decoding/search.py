@@ -51,8 +51,9 @@ between chunks: the trip count of each chunk stays static (on accelerators a
 data-dependent loop predicate is read back by the host at every iteration, and
 on CPU a one-step while loop measured slower per step than a scan) and at most
 `EARLY_EXIT_CHUNK - 1` steps are wasted. Results are
-identical with and without early exit (see benchmarks/bench_early_exit.py for
-the time it saves).
+identical with and without early exit (beam search: its first `n_best`
+hypotheses, with the default exact bound; see benchmarks/bench_early_exit.py
+for the time it saves).
 
 Shrinking (`Shrink`, optional). At those same checks, once the unfinished
 inputs fit in a fraction of the batch they go on alone in a smaller batch
