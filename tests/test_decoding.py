@@ -374,45 +374,33 @@ def test_beam_search_batch_rows_are_independent():
   assert len({tuple(s.ravel()) for s in seqs}) > 1  # Inputs do differ.
 
 
-@pytest.mark.parametrize("seed,alpha,min_len,eos_bias", [
-    (0, 0.6, 0, 1.0),
-    (1, 0.0, 3, 0.0),
-    (2, 1.5, 0, 2.5),
-    (3, 0.6, 2, -np.inf),  # Nothing ever finishes.
-    (4, -0.5, 0, 2.0),     # A negative alpha (favours short outputs).
+@pytest.mark.parametrize("table_seed,alpha,min_len,eos_bias,n_best", [
+    (100, 0.6, 0, 1.0, None),
+    (101, 0.0, 3, 0.0, None),
+    (102, 1.5, 0, 2.5, None),
+    (103, 0.6, 2, -np.inf, None),  # Nothing ever finishes.
+    (104, -0.5, 0, 2.0, None),     # A negative alpha (favours short outputs).
+    # Stopping once the first n_best are final (not the whole beam):
+    (200, 0.6, 0, 1.0, 1),
+    (200, 2.0, 0, 2.5, 1),  # The bound at the next length alone would stop too soon.
+    (201, 0.0, 3, 0.0, 2),
+    (203, 0.6, 2, -np.inf, 1),
+    (204, 1.5, 0, 2.5, 3),  # Stopping once the best is final would change the 2nd / 3rd.
 ])
-def test_beam_search_early_exit_changes_nothing(seed, alpha, min_len, eos_bias):
+def test_beam_search_early_exit_changes_nothing(table_seed, alpha, min_len, eos_bias, n_best):
+  """Early exit keeps the n-best (and scores) of the search run to max_len:
+  the whole beam, or with `n_best` its first n_best."""
   eos_id, max_len = 5, 21  # Not a multiple of the chunk.
-  table = random_table(100 + seed, VOCAB)
+  table = random_table(table_seed, VOCAB)
   table[:, eos_id] += eos_bias
   kw = dict(max_len=max_len, beam_size=4, length_penalty=alpha, bos_id=0,
             eos_id=eos_id, min_len=min_len)
-  fast = run(decoding.beam_search, table, OFFSETS, early_exit=True, **kw)
+  kept = 4 if n_best is None else n_best
+  fast = run(decoding.beam_search, table, OFFSETS, early_exit=True,
+             **({} if n_best is None else dict(n_best=n_best)), **kw)
   full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
-  np.testing.assert_array_equal(fast[0], full[0])
-  np.testing.assert_array_equal(fast[1], full[1])
-
-
-@pytest.mark.parametrize("seed,alpha,min_len,eos_bias,n_best", [
-    (0, 0.6, 0, 1.0, 1),
-    (0, 2.0, 0, 2.5, 1),  # The bound at the next length alone would stop too soon.
-    (1, 0.0, 3, 0.0, 2),
-    (3, 0.6, 2, -np.inf, 1),  # Nothing ever finishes.
-    (4, 1.5, 0, 2.5, 3),  # Stopping once the best is final would change the 2nd / 3rd.
-])
-def test_beam_search_early_exit_keeps_the_first_n_best_exact(seed, alpha, min_len,
-                                                              eos_bias, n_best):
-  """Stopping once the first n_best hypotheses are final: they (and their
-  scores) are those of the search run to max_len."""
-  eos_id, max_len = 5, 21
-  table = random_table(200 + seed, VOCAB)
-  table[:, eos_id] += eos_bias
-  kw = dict(max_len=max_len, beam_size=4, length_penalty=alpha, bos_id=0,
-            eos_id=eos_id, min_len=min_len)
-  fast = run(decoding.beam_search, table, OFFSETS, n_best=n_best, **kw)
-  full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
-  np.testing.assert_array_equal(fast[0][:, :n_best], full[0][:, :n_best])
-  np.testing.assert_array_equal(fast[1][:, :n_best], full[1][:, :n_best])
+  np.testing.assert_array_equal(fast[0][:, :kept], full[0][:, :kept])
+  np.testing.assert_array_equal(fast[1][:, :kept], full[1][:, :kept])
 
 
 @pytest.mark.parametrize("alpha", [0.0, -0.5])
