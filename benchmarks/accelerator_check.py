@@ -477,10 +477,6 @@ def format_row(r: Row) -> str:
           f"| {number(r.tolerance)} | {r.result} | {r.measured} |")
 
 
-def format_table(rows: list[Row]) -> str:
-  return "\n".join([TABLE_HEADER] + [format_row(r) for r in rows])
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", default="",

@@ -166,7 +166,7 @@ def main() -> int:
             (out / "ours.out").unlink()
             wall = command_seconds(command)
           label = "decode.py / Translator" + "".join(
-              f", {flag}" for flag, shown in ((f"{lanes} lanes", lanes != 0),
+              f", {flag}" for flag, shown in ((f"{lanes} lane{'s' * (lanes > 1)}", lanes != 0),
                                              (f"beam_stop={stop}", stop != "exact")) if shown)
           rows.append((label, speed, wall, bleu(hyps, references)))
           same = sum(a == b for a, b in zip(hyps, float32_hyps))

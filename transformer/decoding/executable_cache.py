@@ -47,6 +47,7 @@ import pickle
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jaxlib
@@ -153,31 +154,41 @@ def _compile_fresh(compile_fn: Callable[[], jax.stages.Compiled]) -> jax.stages.
     compilation_cache.reset_cache()
 
 
+def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
+                  dump: Callable[[Any], Any], load: Callable[[Any], Any]) -> tuple[Any, bool]:
+  """(value, whether it was loaded): `load` of the pickle stored under
+  `key(parts)` + `suffix` if there is one that loads, else `make()`, then
+  stored as the pickle of `dump(value)`. `what` names the value in warnings.
+  Nothing is read or stored when the compilation cache is off."""
+  where = directory()
+  if where is None:
+    return make(), False
+  path = where / f"{key(parts)}{suffix}"
+  if path.exists():
+    try:
+      return load(pickle.loads(path.read_bytes())), True
+    except Exception as e:  # (another jaxlib, a truncated file: make it again)
+      logger.warning("%s %s did not load (%s: %s); making it again.", what, path,
+                     type(e).__name__, e)
+      path.unlink(missing_ok=True)
+  value = make()
+  try:
+    write_atomically(str(path), pickle.dumps(dump(value)))
+  except Exception as e:  # (a read-only or full disk: go on, uncached)
+    logger.warning("Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
+  return value, False
+
+
 def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled]):
   """(compiled decoder, whether it was loaded): the one stored under
   `key(parts)` if there is one that loads, else `compile_fn()` (which must
   lower and compile anew at each call), then stored."""
-  where = directory()
-  if where is None:
-    return compile_fn(), False
-  path = where / f"{key(parts)}.bin"
-  if path.exists():
-    try:
-      payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-      from jax.experimental import serialize_executable
-      return serialize_executable.deserialize_and_load(payload, in_tree, out_tree), True
-    except Exception as e:  # (another jaxlib, a truncated file: compile instead)
-      logger.warning("Compiled decoder %s did not load (%s: %s); compiling it again.",
-                     path, type(e).__name__, e)
-      path.unlink(missing_ok=True)
-  compiled = _compile_fresh(compile_fn)
-  try:
-    from jax.experimental import serialize_executable
-    write_atomically(str(path), pickle.dumps(serialize_executable.serialize(compiled)))
-  except Exception as e:  # (a read-only or full disk: decode on, uncached)
-    logger.warning("Could not keep the compiled decoder in %s (%s: %s).", where,
-                   type(e).__name__, e)
-  return compiled, False
+  from jax.experimental import serialize_executable
+  return _load_or_make(
+      parts, ".bin", "compiled decoder",
+      make=lambda: _compile_fresh(compile_fn),
+      dump=serialize_executable.serialize,
+      load=lambda stored: serialize_executable.deserialize_and_load(*stored))
 
 
 def load_or_eval_shape(parts: dict, fn: Callable, *args):
@@ -185,20 +196,7 @@ def load_or_eval_shape(parts: dict, fn: Callable, *args):
   the file stored under `key(parts)` when there is one that loads, else traced
   and stored. `parts` must name everything the shapes depend on besides this
   package's code (which `key` includes): e.g. the model config."""
-  where = directory()
-  if where is None:
-    return jax.eval_shape(fn, *args)
-  path = where / f"{key(parts)}.shapes"
-  if path.exists():
-    try:
-      return pickle.loads(path.read_bytes())
-    except Exception as e:  # (a truncated file: trace instead)
-      logger.warning("Stored shapes %s did not load (%s: %s); tracing again.",
-                     path, type(e).__name__, e)
-      path.unlink(missing_ok=True)
-  shapes = jax.eval_shape(fn, *args)
-  try:
-    write_atomically(str(path), pickle.dumps(shapes))
-  except Exception as e:  # (a read-only or full disk: go on without)
-    logger.warning("Could not keep the shapes in %s (%s: %s).", where, type(e).__name__, e)
+  shapes, _ = _load_or_make(parts, ".shapes", "parameter shapes",
+                            make=lambda: jax.eval_shape(fn, *args),
+                            dump=lambda shapes: shapes, load=lambda shapes: shapes)
   return shapes
