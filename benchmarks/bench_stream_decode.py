@@ -105,8 +105,7 @@ def idle_shares(workdir: str, lines: int, method: str) -> dict:
   replay = []
   for _ in range(2):
     start = time.perf_counter()
-    results = [translator._executables[shape](translator.params, translator.logits_kernel,
-                                              *inputs) for shape, inputs in recorded]
+    results = [translator._dispatch(shape, inputs) for shape, inputs in recorded]
     jax.block_until_ready(results)
     replay.append(time.perf_counter() - start)
   device = min(replay)

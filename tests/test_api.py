@@ -205,6 +205,27 @@ def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_exa
   assert translator.translate(sentences, method="beam") == before
 
 
+def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
+  """`Translator.shrink_batches`: on by default on a CPU, where it pays (off
+  on accelerators: class docstring); off, a batch runs all its rows to its
+  end, through decoders of their own (compiled anew, not the shrinking
+  ones), with the same translations."""
+  translator = run_example(API_EXAMPLE)[0]["translator"]
+  sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
+  assert translator.shrink_batches and translator._shrink(True).sizes(32) == [32, 8]
+  shrunk = translator.translate(sentences, method="greedy", batch_size=32)
+  compiled = set(translator._executables)
+  translator.shrink_batches = False
+  try:
+    assert translator._shrink(True) is None
+    whole = translator.translate(sentences, method="greedy", batch_size=32)
+    new = set(translator._executables) - compiled
+    assert new and all(shrink is False for _, shrink in new)
+  finally:
+    translator.shrink_batches = True
+  assert whole == shrunk
+
+
 def test_cross_attention_of_a_given_target(run_example):
   namespace, _ = run_example(API_EXAMPLE)
   translator = namespace["translator"]

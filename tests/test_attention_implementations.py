@@ -157,9 +157,8 @@ def attention_and_grads(q, k, v, mask, g, implementation):
 
 
 @pytest.mark.parametrize("requested,backend,dtype,head_dim,extra,expected", [
-    # cuDNN failed the accelerator check on padded rows (attention_choice): XLA
-    (None, "gpu", "bfloat16", 64, {}, "xla"),
-    (None, "gpu", "float16", 128, {}, "xla"),
+    (None, "gpu", "bfloat16", 64, {}, "cudnn"),
+    (None, "gpu", "float16", 128, {}, "cudnn"),
     (None, "gpu", "float32", 64, {}, "xla"),                  # cuDNN: no float32 kernel
     (None, "gpu", "bfloat16", 64, {"dropout": True}, "einsum"),  # jax.nn has no dropout
     (None, "gpu", "bfloat16", 64, {"return_weights": True}, "einsum"),
@@ -235,10 +234,9 @@ def test_log_line_says_which_implementation_and_why():
   bf16 = M.TransformerConfig(**TINY, dtype="bfloat16")
   name = attention_choice.attention_implementation_name
   default = name(bf16, "gpu")
-  assert "implementation='xla'" in default and "failed" in default
-  assert "cuDNN flash attention" in default and "attention_implementation='cudnn'" in default
-  cudnn = name(bf16.replace(attention_implementation="cudnn"), "gpu")
-  assert "implementation='cudnn'" in cudnn and "XLA for an odd length" in cudnn
+  assert "cuDNN flash attention" in default and "implementation='cudnn'" in default
+  assert "XLA for an odd length" in default
+  assert name(bf16.replace(attention_implementation="cudnn"), "gpu") == default
   f32 = name(bf16.replace(dtype="float32"), "gpu")
   assert "implementation='xla'" in f32 and "not cuDNN" in f32 and "dtype='float32'" in f32
   assert "implementation='xla'" in name(bf16, "gpu-without-cudnn")
@@ -260,7 +258,7 @@ def test_log_line_defaults_to_this_machine(monkeypatch):
 
 
 @pytest.mark.parametrize("backend,dtype,implementation,expected", [
-    ("gpu", "bfloat16", None, "xla"),      # the default on a GPU (cuDNN on request)
+    ("gpu", "bfloat16", None, "cudnn"),    # the default on an Ampere+ NVIDIA GPU
     ("gpu", "bfloat16", "cudnn", "cudnn"),
     ("gpu", "float32", None, "xla"),
     ("gpu-without-cudnn", "bfloat16", None, "xla"),
@@ -285,6 +283,32 @@ def test_cudnn_gets_a_mask_broadcast_to_the_full_score_shape(monkeypatch, fused_
   (q, k, v, _), _ = inputs("bfloat16", tq, tk)
   M.scaled_dot_product_attention(q, k, v, mask, implementation="cudnn")
   assert fused_calls == [("cudnn", (3, 1, tq, tk))]
+
+
+@pytest.mark.parametrize("kind", ["packed", "causal", "cross", "keys_only"])
+def test_cudnn_gets_no_query_without_a_key(monkeypatch, kind):
+  """cuDNN gave non-finite gradients for queries whose every key is hidden
+  (padding; its first GPU check): the mask it gets lets such a query see
+  every key, and is the model's mask on every other query."""
+  fake_backend(monkeypatch, "gpu")
+  handed = []
+  real = jax.nn.dot_product_attention
+
+  def recording(query, key, value, *args, mask=None, implementation=None, **kwargs):
+    handed.append(np.asarray(mask))
+    return real(query, key, value, *args, mask=mask, implementation="xla", **kwargs)
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", recording)
+  mask, tq, tk = masks(kind)
+  (q, k, v, _), _ = inputs("bfloat16", tq, tk)
+  M.scaled_dot_product_attention(q, k, v, mask, implementation="cudnn")
+  model_mask = np.broadcast_to(np.asarray(mask), (3, 1, tq, tk))
+  empty = ~model_mask.any(-1)                                   # [batch, 1, tq]
+  assert empty[2].all() and not empty[1].any()                  # row 2: padding only
+  [given] = handed
+  assert given.shape == (3, 1, tq, tk)
+  np.testing.assert_array_equal(given[~empty], model_mask[~empty])
+  assert given[empty].all()
 
 
 def test_odd_length_under_a_mask_falls_back_to_xla(monkeypatch, fused_calls):
@@ -319,13 +343,22 @@ def test_weights_and_dropout_use_the_einsums_on_gpu(monkeypatch, fused_calls):
 @pytest.mark.parametrize("kind", ["none", "packed", "causal", "cross", "keys_only"])
 def test_fused_and_einsum_paths_match_float64_reference(monkeypatch, fused_calls, dtype, kind):
   """Outputs and d/d(q, k, v): the einsums (CPU's default), the default on a
-  faked GPU (XLA), cuDNN's routing on request (bfloat16; run by XLA here) and
-  `implementation="xla"`, each against float64 numpy and against each other.
-  Row 2 of the batch is padding only (every query row fully masked)."""
+  faked GPU (cuDNN's routing in bfloat16, XLA in float32), cuDNN's routing on
+  request (bfloat16; run by XLA here) and `implementation="xla"`, each against
+  float64 numpy and against each other. Row 2 of the batch is padding only
+  (every query row fully masked). cuDNN's routing lets a query with no
+  visible key see every key (`test_cudnn_gets_no_query_without_a_key`): its
+  outputs are compared on the other queries, and its gradients under a
+  cotangent that is zero on such queries, as a real loss is."""
   mask, tq, tk = masks(kind)
   (q, k, v, g), (q64, k64, v64, g64) = inputs(dtype, tq, tk, seed=len(kind))
-  ref_out, ref_grads = np_attention_and_grads(
-      q64, k64, v64, None if mask is None else np.asarray(mask), g64)
+  mask64 = None if mask is None else np.asarray(mask)
+  sees_a_key = (np.ones((3, tq), bool) if mask is None else
+                np.broadcast_to(mask64, (3, 1, tq, tk)).any(-1)[:, 0])   # [batch, tq]
+  g_real = g * jnp.asarray(sees_a_key)[:, :, None, None].astype(g.dtype)
+  references = {False: np_attention_and_grads(q64, k64, v64, mask64, g64),
+                True: np_attention_and_grads(q64, k64, v64, mask64,
+                                             g64 * sees_a_key[:, :, None, None])}
   tol = TOL[dtype]
   results = {}
   cudnn = [("cudnn requested", "gpu", "cudnn")] if dtype == "bfloat16" else []
@@ -334,14 +367,22 @@ def test_fused_and_einsum_paths_match_float64_reference(monkeypatch, fused_calls
                                         *cudnn,
                                         ("xla", "cpu", "xla")]:
     fake_backend(monkeypatch, backend)
-    out, grads = attention_and_grads(q, k, v, mask, g, implementation)
+    calls = len(fused_calls)
+    via_cudnn = (attention_choice.choose_attention_implementation(
+        implementation, backend=backend, dtype=jnp.dtype(dtype), head_dim=8) == "cudnn")
+    out, grads = attention_and_grads(q, k, v, mask, g_real if via_cudnn else g, implementation)
+    assert [c[0] for c in fused_calls[calls:]] == ([] if backend == "cpu" and implementation is None
+                                                   else ["cudnn" if via_cudnn else "xla"])
     assert out.dtype == jnp.dtype(dtype)
+    ref_out, ref_grads = references[via_cudnn]
+    rows = sees_a_key if via_cudnn else np.ones_like(sees_a_key)
     for got, want, what in zip((out, *grads), (ref_out, *ref_grads), ("out", "dq", "dk", "dv")):
       got = np.asarray(got.astype(jnp.float32))
       assert np.isfinite(got).all(), (name, what)
+      if what == "out":
+        got, want = got[rows], want[rows]
       np.testing.assert_allclose(got, want, atol=tol, rtol=tol, err_msg=f"{name} {what}")
     results[name] = (out, *grads)
-  assert [c[0] for c in fused_calls] == ["xla", *(["cudnn"] if cudnn else []), "xla"]
   for a, b in zip(results["einsum"], results["xla"]):
     np.testing.assert_allclose(np.asarray(a.astype(jnp.float32)),
                                np.asarray(b.astype(jnp.float32)), atol=tol, rtol=tol)

@@ -3,16 +3,15 @@ machine: cuDNN's flash attention or XLA's (both through
 `jax.nn.dot_product_attention`), or the einsums of
 `model.scaled_dot_product_attention`.
 
-The choice: XLA on a GPU, the einsums on CPU (measured faster there) and TPU;
-cuDNN on request (`attention_implementation="cudnn"`) on an NVIDIA GPU from
-Ampere on, for bfloat16/float16 and the shapes and masks it takes (the
-constraints of jax/_src/cudnn/fused_attention_stablehlo.py, 0.10.2). cuDNN
-was the GPU default until its first run on a GPU (H200, JAX 0.11.2,
-2026-11-26): on packed rows with padding `benchmarks/accelerator_check.py`
-found non-finite values in its output or gradients (error inf), where XLA's
-and the einsums matched the float32 reference (5e-3) and cuDNN matched it on
-rows without padding (the cached-decoding check). Real training batches
-have padding, so XLA is the default until cuDNN passes that check.
+The choice: cuDNN on an NVIDIA GPU from Ampere on, for bfloat16/float16 and
+the shapes and masks it takes (the constraints of
+jax/_src/cudnn/fused_attention_stablehlo.py, 0.10.2), XLA on other GPUs and
+for float32, the einsums on CPU (measured faster there) and TPU. cuDNN's
+first GPU check (H200, JAX 0.11.2, 2026-11-26) found non-finite gradients
+for padding queries, the rows whose every key is masked; a query that sees
+no key now sees every key when cuDNN runs (`scaled_dot_product_attention`),
+which made it pass `benchmarks/accelerator_check.py` and train shape S 1.27x
+faster than XLA (docs/what-runs-where.md).
 `attention_implementation_name` says which in one line for the log.
 """
 
@@ -70,15 +69,16 @@ def choose_attention_implementation(
   Args:
     requested: `TransformerConfig.attention_implementation`: "xla" or "cudnn"
       is what runs (cuDNN falls back to XLA for `odd_masked_length`); None
-      chooses by `backend` (`attention_backend()`'s names): XLA on any GPU
-      (cuDNN failed the accelerator check on padded rows: module docstring),
-      the einsums on CPU (measured faster than XLA's dot_product_attention
-      there) and, as before, on TPU.
+      chooses by `backend` (`attention_backend()`'s names): on "gpu", cuDNN
+      where it applies (bfloat16 or float16 `dtype`, `head_dim` a multiple of
+      8 up to 128, no `odd_masked_length`) and XLA otherwise; XLA on any other
+      GPU; the einsums on CPU (measured faster than XLA's
+      dot_product_attention there) and, as before, on TPU.
     dropout, return_weights: the attention weights are dropped out or returned;
       only the einsums have them as an array, whatever is requested.
     odd_masked_length: a mask with an odd query or key length: JAX 0.10 turns
       the mask into a bias, and cuDNN's backward pass with a bias refuses odd
-      lengths, so a requested "cudnn" falls back to XLA.
+      lengths, so cuDNN (requested or chosen) falls back to XLA.
   """
   if dropout or return_weights:
     return "einsum"
@@ -86,6 +86,8 @@ def choose_attention_implementation(
     return "xla"
   if requested is not None:
     return requested
+  if backend == "gpu" and not odd_masked_length and cudnn_problem(dtype, head_dim) is None:
+    return "cudnn"
   return "xla" if backend.startswith("gpu") else "einsum"
 
 
@@ -110,10 +112,7 @@ def attention_implementation_name(config,
   if chosen == "cudnn":
     line += "; XLA for an odd length under a mask"
   if config.attention_implementation is None and chosen == "xla" and backend == "gpu":
-    problem = cudnn_problem(config.dtype, config.head_dim)
-    line += (f"; not cuDNN, which {problem}" if problem else
-             "; cuDNN flash attention on request (attention_implementation='cudnn'), "
-             "not by default: it failed benchmarks/accelerator_check.py on padded rows")
+    line += f"; not cuDNN, which {cudnn_problem(config.dtype, config.head_dim)}"
   if config.attention_dropout_rate > 0 and chosen != choose(dropout=True):
     line += (f"; training steps: einsums (attention_dropout_rate="
              f"{config.attention_dropout_rate} drops out the weights)")

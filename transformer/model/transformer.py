@@ -122,9 +122,9 @@ def scaled_dot_product_attention(
   Returns:
     `([batch, q_length, heads, d_v], weights [batch, heads, q_length, kv_length] or None)`.
     A query whose every key is hidden (padding) gets uniform weights in the
-    einsums and in XLA: no NaN, and no loss or real position depends on such
-    a row. cuDNN (on request only) gave non-finite values on such rows in its
-    first GPU check (attention_choice.py).
+    einsums and in XLA, and sees every key in cuDNN (which gave such rows
+    non-finite gradients): no NaN, and no loss or real position depends on
+    such a row.
   """
   if cached:
     # The same equation for one new position per row. It replaces the einsums
@@ -143,6 +143,11 @@ def scaled_dot_product_attention(
       # cuDNN takes the mask as a bias of the full [q_length, kv_length]; it
       # refuses one broadcast over queries, e.g. [batch, 1, 1, kv_length].
       mask = jnp.broadcast_to(mask, (*mask.shape[:-2], q_len, kv_len))
+      # A query that sees no key (a padding position) sees every key instead:
+      # cuDNN gave such rows non-finite gradients (its first GPU check, H200),
+      # where XLA and the einsums give uniform weights. No loss and no
+      # real position reads a padding query, so nothing else changes.
+      mask = mask | ~jnp.any(mask, axis=-1, keepdims=True)
     out = jax.nn.dot_product_attention(query, key, value, mask=mask, implementation=chosen)
     return out, None
   # Heads first, [batch, heads, length, d_k], so that both products are
