@@ -293,3 +293,35 @@ def test_input_pipeline_benchmark_needs_and_measures():
   assert result["batches_per_s"] > 0 and 0.5 < result["fill"] <= 1
   assert result["target_tokens_per_s"] == pytest.approx(
       result["batches_per_s"] * rows * length * result["fill"], rel=1e-9)
+
+
+@pytest.mark.parametrize("chunk,factor", [(4, 2), (8, 2), (4, 4), (2, 2)])
+def test_batching_benchmark_counts_the_row_steps_the_shrinking_loop_runs(monkeypatch, chunk,
+                                                                         factor):
+  """bench_batching.row_steps (arithmetic) against `loops._shrinking_loop`
+  itself running a toy step that adds up the rows it runs on: the same
+  rows x steps for inputs needing 3, 9, 1, 14, 2 steps in a batch of 8 (3
+  empty rows), checks every `chunk` steps, shrinking by `factor`."""
+  from typing import NamedTuple
+  from benchmarks import bench_batching
+  from transformer.decoding import loops
+  monkeypatch.setattr(loops, "EARLY_EXIT_CHUNK", chunk)
+  needed, batch = [3, 9, 1, 14, 2], 8
+  sizes = loops.Shrink(factor=factor, min_rows=2).sizes(batch)
+
+  class Toy(NamedTuple):
+    step: jax.Array
+    need: jax.Array   # [rows] steps each input needs
+    work: jax.Array   # rows x steps run so far
+
+  start = Toy(jnp.int32(0), jnp.asarray(needed + [0] * (batch - len(needed)), jnp.int32),
+              jnp.int32(0))
+  run = jax.jit(lambda state: loops._shrinking_loop(
+      lambda s: s._replace(step=s.step + 1, work=s.work + s.need.shape[0]),
+      lambda s: s.need > s.step,
+      lambda s: jnp.broadcast_to(s.work, s.need.shape),
+      lambda s, indices: s._replace(need=s.need[indices]),
+      state, batch=batch, num_steps=32, sizes=sizes))
+  work = int(jnp.max(run(start)))
+  assert work == bench_batching.row_steps(needed, batch, chunk, sizes)
+  assert work >= sum(needed)

@@ -50,10 +50,28 @@ def test_check_options_accepts_every_usable_value():
     decoding_options.check_options(method=method)
 
 
-def test_length_buckets_group_shortest_first_and_skip_empty_inputs():
-  encoded = [[5] * 3, [], [5] * 10, [5] * 9, [5] * 2, [5] * 40]
-  assert translation.length_buckets(encoded, max_length=32) == [
-      (8, [4, 0]), (16, [3, 2]), (32, [5])]              # 40 tokens: capped at 32
+def test_length_batches_take_inputs_shortest_first_and_skip_empty_ones():
+  """Consecutive inputs by length fill each batch, padded to its longest's
+  bucket (the next power of two, at least 8, capped at max_length): a batch
+  may span buckets; only the last one is short."""
+  encoded = [[5] * 3, [], [5] * 10, [5] * 9, [5] * 2, [5] * 40, [5] * 7]
+  two = lambda src_len: 2
+  assert translation.length_batches(encoded, 32, two) == [
+      (8, [4, 0]), (16, [6, 3]), (32, [2, 5])]           # 40 tokens: capped at 32
+  assert translation.length_batches(encoded, 32, lambda src_len: 4) == [
+      (16, [4, 0, 6, 3]), (32, [2, 5])]
+  assert translation.length_batches([[], []], 32, two) == []
+
+
+def test_length_batches_by_tokens_close_a_batch_before_it_outgrows_them():
+  """With `--batch_tokens`, the inputs a batch holds depend on its padded
+  length: a batch closes when the next input would pad it to a length at
+  which it is already full."""
+  encoded = [[5] * n for n in (2, 3, 4, 5, 9, 10, 11, 20)]
+  per_batch = lambda src_len: 64 // src_len                 # 8 at 8, 4 at 16, 2 at 32
+  # 4 inputs of bucket 8, then the 9-token one would pad them to 16: full.
+  assert translation.length_batches(encoded, 64, per_batch) == [
+      (8, [0, 1, 2, 3]), (16, [4, 5, 6]), (32, [7])]
 
 
 def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():

@@ -23,8 +23,12 @@ from jax import lax
 
 PyTree = Any
 
-# Decode steps run between two "is everything finished?" checks.
-EARLY_EXIT_CHUNK = 8
+# Decode steps run between two "is everything finished?" checks. 4 rather than
+# 8: a batch runs at most 3 steps past its end instead of 7, and shrinks
+# sooner; with `translator.length_batches`, 1,000 real sentences decoded
+# 1.17x faster greedy and 1.15x beam 4 at batch 32 than with 8 and batches
+# per length bucket (docs/benchmarks.md "Wasted rows").
+EARLY_EXIT_CHUNK = 4
 
 
 def _map_batched(fn, cache: PyTree) -> PyTree:

@@ -1,0 +1,158 @@
+"""How much of the work a decoding batch does is for a sentence, and what the
+batching costs: rows that decode nothing, steps run past a translation's end,
+source padding. On real text, for a trained model.
+
+    python benchmarks/bench_batching.py --workdir=<model> \
+        --input=../shared/corpora/gettext-en-fr/test.tsv --lines=1000
+
+1. **Accounting.** The model translates the lines once (greedy); from each
+   translation's length, and the batches and early-exit checks each
+   batching makes, it counts the decoder row-steps run (rows x steps,
+   shrinking included) and the source tokens the encoder reads, against
+   the tokens generated and the source tokens: the share that is work for
+   a sentence. Exact arithmetic of `loops._shrinking_loop`'s rule, no timing.
+2. **Timing.** `Translator.translate` of the same lines (every shape
+   compiled first, then `--repeats` alternating rounds, medians) with
+   `translator.length_batches` (consecutive lengths) and early-exit checks
+   every 4 steps (`loops.EARLY_EXIT_CHUNK`), against the batching before
+   2026-11-26 (`per_bucket_batches`: one length bucket per batch) and
+   checks every 8 steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_vs_ctranslate2 import read_input
+from transformer.decoding import loader, loops
+from transformer.decoding import translator as translator_lib
+
+BATCHINGS = ("consecutive", "per bucket")
+
+
+def per_bucket_batches(encoded, max_length, inputs_per_batch):
+  """The batching before 2026-11-26 (for comparison): inputs grouped by
+  length bucket, each bucket cut into batches, so each bucket's last batch
+  has empty rows. Same signature as `translator.length_batches`."""
+  todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
+  buckets: dict[int, list[int]] = {}
+  for i in todo:
+    buckets.setdefault(translator_lib.bucket_length(len(encoded[i]), max_length), []).append(i)
+  batches = []
+  for src_len, members in sorted(buckets.items()):
+    per_batch = inputs_per_batch(src_len)
+    batches += [(src_len, members[b:b + per_batch]) for b in range(0, len(members), per_batch)]
+  return batches
+
+
+def make_batches(batching: str, encoded, max_length: int, batch: int):
+  form = translator_lib.length_batches if batching == "consecutive" else per_bucket_batches
+  return form(encoded, max_length, lambda src_len: batch)
+
+
+def row_steps(steps_needed: list[int], batch: int, chunk: int, sizes: list[int]) -> int:
+  """Rows x steps a batch runs under `loops._shrinking_loop`: checks every
+  `chunk` steps; it goes on in the next of `sizes` once that many rows hold
+  its unfinished inputs. `steps_needed`: per input, its tokens with the EOS
+  (the rows past the inputs need none)."""
+  needed = steps_needed + [0] * (batch - len(steps_needed))
+  done_steps, total = 0, 0
+  for size, next_size in zip(sizes, sizes[1:] + [0]):
+    while sum(n > done_steps for n in needed) > next_size:
+      done_steps += chunk
+      total += size * chunk
+  return total
+
+
+def accounting(translator, encoded, generated, batch_sizes, chunks):
+  """Rows of the accounting table (part 1)."""
+  max_length, rows = translator.config.max_len, []
+  source = sum(map(len, encoded))
+  for batch in batch_sizes:
+    shrink = translator._shrink(True)
+    sizes = shrink.sizes(batch) if shrink is not None else [batch]
+    for batching in BATCHINGS:
+      batches = make_batches(batching, encoded, max_length, batch)
+      read = sum(batch * src_len for src_len, _ in batches)
+      filled = sum(len(members) for _, members in batches) / (len(batches) * batch)
+      for chunk in chunks:
+        run = sum(row_steps([generated[i] for i in members], batch, chunk, sizes)
+                  for _, members in batches)
+        rows.append((batch, batching, chunk, len(batches), filled, sum(generated) / run,
+                     source / read))
+  return rows
+
+
+def timing(translator, lines, method, batch, repeats):
+  """{(batching, chunk): (median seconds, translations)} (part 2)."""
+  variants = {("consecutive", 4): translator_lib.length_batches,
+              ("per bucket", 8): per_bucket_batches}
+  defaults = translator_lib.length_batches, loops.EARLY_EXIT_CHUNK
+  translators, seconds, outputs = {}, {}, {}
+  try:
+    for (batching, chunk), form in variants.items():
+      translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # read when tracing
+      fresh = translator_lib.Translator(translator.config, translator.params,
+                                        translator.tokenizer)
+      fresh.translate(lines, method=method, batch_size=batch)  # compiles every shape
+      translators[batching, chunk], seconds[batching, chunk] = fresh, []
+    for _ in range(repeats):
+      for (batching, chunk), fresh in translators.items():
+        translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = variants[batching, chunk], chunk
+        start = time.perf_counter()
+        outputs[batching, chunk] = fresh.translate(lines, method=method, batch_size=batch)
+        seconds[batching, chunk].append(time.perf_counter() - start)
+  finally:
+    translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = defaults
+  return {key: (statistics.median(s), outputs[key]) for key, s in seconds.items()}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--input", required=True, help="one sentence a line, or source<TAB>target")
+  parser.add_argument("--lines", type=int, default=1000)
+  parser.add_argument("--batch_sizes", default="32,128")
+  parser.add_argument("--methods", default="greedy,beam")
+  parser.add_argument("--repeats", type=int, default=3, help="timed rounds (0: accounting only)")
+  args = parser.parse_args(argv)
+  lines, _ = read_input(Path(args.input), args.lines)
+  batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+  translator = loader.load_translator(args.workdir)
+  encoded, _ = translator._encode(lines)
+  greedy = translator.translate_hypotheses(lines, method="greedy")
+  generated = [h[0].length for h in greedy]
+
+  print(f"{len(lines)} lines: {sum(map(len, encoded))} source tokens (EOS included), "
+        f"{sum(generated)} generated by greedy search (EOS included)\n")
+  print("| batch | batches | early-exit check every | batches made | rows holding a sentence "
+        "| decoder row-steps that generate a token | source tokens read that are not padding |")
+  print("|---|---|---|---|---|---|---|")
+  for batch, batching, chunk, count, filled, steps, read in accounting(
+      translator, encoded, generated, batch_sizes, (8, 4)):
+    print(f"| {batch} | {batching} | {chunk} steps | {count} | {filled:.1%} | {steps:.1%} "
+          f"| {read:.1%} |", flush=True)
+  if not args.repeats:
+    return 0
+  print(f"\n| method | batch | batching, check every | seconds (median of {args.repeats}) "
+        "| sentences/s | vs per bucket, 8 | translations the same |")
+  print("|---|---|---|---|---|---|---|")
+  for method in args.methods.split(","):
+    for batch in batch_sizes:
+      results = timing(translator, lines, method, batch, args.repeats)
+      base_seconds, base_out = results["per bucket", 8]
+      for (batching, chunk), (s, out) in sorted(results.items(), key=lambda kv: -kv[1][0]):
+        same = sum(a == b for a, b in zip(out, base_out))
+        print(f"| {method} | {batch} | {batching}, {chunk} | {s:.2f} | {len(lines) / s:.1f} "
+              f"| {base_seconds / s:.2f}x | {same} of {len(lines)} |", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
