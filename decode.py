@@ -69,9 +69,7 @@ _BEAM_STOP = flags.DEFINE_string(
     f"{' | '.join(decoding_options.BEAM_STOPS)}. "
     "exact: once no live hypothesis could beat its n-best at any length it can still "
     "reach (what searching to --max_len gives); current: once none could were it to end "
-    "at the next step (HuggingFace's rule; faster, may miss a longer hypothesis); "
-    "first: once the best of a step's candidates ends (CTranslate2's and OpenNMT's rule; "
-    "fastest, may miss a better hypothesis).")
+    "at the next step (HuggingFace's rule; faster, may miss a longer hypothesis).")
 _LENGTH_PENALTY = flags.DEFINE_float(
     "length_penalty", 0.6, "Beam search: alpha of the GNMT length penalty "
     "((5 + length) / 6)^alpha (the paper: 0.6; 0 = none).")

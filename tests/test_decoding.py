@@ -454,48 +454,6 @@ def test_beam_stop_current_gives_up_a_longer_better_hypothesis():
     assert score == pytest.approx(math.log(0.3 * 0.999 * 0.999) / lp(3), rel=1e-4)
 
 
-def test_beam_stop_first_stops_once_the_best_candidate_ends():
-  """CTranslate2's rule, hand-computed (alpha 2, lp(n) = ((5 + n) / 6)^2):
-  after BOS, EOS 0.45, A 0.4, B 0.15; after A, C 0.999; after C, EOS 0.999;
-  after B, B or EOS 0.5 each. The best candidate of step 1 is EOS (score
-  log 0.45 = -0.799): "first" stops there with beam 1, though A could still
-  gain (A C EOS scores log(0.4 * 0.999^2) / lp(3) = -0.517, which "current"
-  (A bounded by log 0.4 / lp(2) = -0.673 > -0.799) and "exact" go on to
-  find). With n_best=2 "first" waits for a second hypothesis to finish:
-  the search runs on, and its two are A C EOS and EOS."""
-  pad, bos, eos, a, b, c = range(6)
-  probs = np.full((6, 6), 1e-12)
-  probs[bos, [eos, a, b]] = [0.45, 0.4, 0.15]
-  probs[a, [c, eos]] = [0.999, 0.001]
-  probs[c, [eos, a]] = [0.999, 0.001]
-  probs[b, [b, eos]] = [0.5, 0.5]
-  probs[pad, eos] = probs[eos, eos] = 1.0
-  log_table = jnp.asarray(np.log(probs / probs.sum(1, keepdims=True)), jnp.float32)
-  max_len = loops.EARLY_EXIT_CHUNK + 1  # The first check comes after step 1.
-  alpha = 2.0
-
-  def search(stop, beam_size=1, n_best=1):
-    fn = lambda cache: decoding.beam_search(
-        make_markov_model(log_table), cache, batch_size=1, beam_size=beam_size,
-        max_len=max_len, length_penalty=alpha, bos_id=bos, eos_id=eos, stop=stop,
-        n_best=n_best)
-    cache = dict(index=jnp.int32(0), offset=jnp.zeros((1,), jnp.int32))
-    seqs, scores = jax.jit(fn)(cache)
-    return [list(s) for s in np.asarray(seqs)[0]], list(np.asarray(scores)[0])
-
-  lp = lambda n: ((5 + n) / 6) ** alpha
-  a_c_eos, a_c_eos_score = [a, c, eos] + [0] * (max_len - 3), math.log(0.4 * 0.999 ** 2) / lp(3)
-  seqs, scores = search("first")
-  assert seqs[0] == [eos] + [0] * (max_len - 1)
-  assert scores[0] == pytest.approx(math.log(0.45), rel=1e-5)
-  for stop in ("current", "exact"):
-    seqs, scores = search(stop)
-    assert seqs[0] == a_c_eos and scores[0] == pytest.approx(a_c_eos_score, rel=1e-4), stop
-  seqs, scores = search("first", beam_size=2, n_best=2)
-  assert seqs[:2] == [a_c_eos, [eos] + [0] * (max_len - 1)]
-  assert scores[:2] == pytest.approx([a_c_eos_score, math.log(0.45)], rel=1e-4)
-
-
 def test_beam_search_rejects_n_best_and_stop_out_of_range():
   for bad in (dict(n_best=0), dict(n_best=5), dict(stop="soon")):
     with pytest.raises(ValueError, match=next(iter(bad))):

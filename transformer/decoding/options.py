@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformer.runtime.errors import OptionError
 
 METHODS = ("greedy", "beam", "sample")
-BEAM_STOPS = ("exact", "current", "first")  # beam search's early-exit rules (search.beam_search)
+BEAM_STOPS = ("exact", "current")  # beam search's early-exit bounds (search.beam_search)
 
 
 def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,

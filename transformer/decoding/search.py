@@ -262,7 +262,6 @@ class _BeamState(NamedTuple):
   last_tokens: jax.Array  # [batch, beams] int32, fed to the model next.
   finished_seqs: jax.Array  # [batch, beams, max_len] int32, end in EOS.
   finished_scores: jax.Array  # [batch, beams] float32 log p / lp, sorted, -inf = empty.
-  top_ended: jax.Array  # [batch] bool: a step's best candidate has ended in EOS.
   cache: PyTree  # Leaves [batch * beams, ...] (batch-major), or scalars.
 
 
@@ -313,14 +312,11 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
   final, often many steps sooner).
 
   `stop="current"` bounds an alive hypothesis by its score were it to end at
-  the next step instead (HuggingFace's default rule): with alpha > 0 a
-  longer continuation gains length normalization, so a hypothesis that would
-  have overtaken the n-best can be cut off. Not exact; much faster, since
-  the exact bound, taken at max_len, keeps inputs going long after their
-  best hypothesis ended. `stop="first"` is CTranslate2's and OpenNMT's rule,
-  sooner still: an input is done once the best of a step's candidates has
-  ended in EOS and n_best hypotheses have finished, whatever the alive ones
-  could still score.
+  the next step instead (HuggingFace's default rule; CTranslate2 and fairseq
+  stop sooner still): with alpha > 0 a longer continuation gains length
+  normalization, so a hypothesis that would have overtaken the n-best can be
+  cut off. Not exact; much faster, since the exact bound, taken at max_len,
+  keeps inputs going long after their best hypothesis ended.
 
   Args:
     tokens_to_logits: (token_ids [batch * beams] int32, cache) ->
@@ -349,7 +345,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       batch): no hypothesis, done from the start (scores -inf, sequences 0).
     n_best: the hypotheses per input early exit keeps exact (above), 1 ...
       beam_size; None: beam_size.
-    stop: "exact", "current" or "first": the early-exit rule (above).
+    stop: "exact" or "current": the early-exit bound (above).
 
   Returns:
     sequences: [batch, beam_size, max_len] int32, n-best, best first (with
@@ -409,8 +405,6 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     all_scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)
     all_seqs = jnp.concatenate([state.finished_seqs, topk_seqs], axis=1)
     finished_scores, finished_idx = lax.top_k(all_scores, beams)
-    # The candidates are sorted, best first: did the best one just end?
-    top_ended = state.top_ended | (ends[:, 0] & valid[:, 0])
 
     return _BeamState(
         step=step + 1,
@@ -419,7 +413,6 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
         last_tokens=jnp.take_along_axis(topk_tokens, alive_idx, axis=1),
         finished_seqs=_gather_beams(all_seqs, finished_idx),
         finished_scores=finished_scores,
-        top_ended=top_ended,
         cache=cache,
     )
 
@@ -428,9 +421,6 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     first n_best hypotheses."""
     best_alive = state.alive_log_probs[:, 0]  # Sorted: best first.
     worst_finished = state.finished_scores[:, n_best - 1]  # -inf until n_best finish.
-    no_alive = best_alive == NEG_INF
-    if stop == "first":
-      return (state.top_ended & (worst_finished > NEG_INF)) | no_alive
     # Largest lp over the lengths an alive hypothesis can still reach (lp is
     # monotone in the length, so it is at one end); s / lp is largest there
     # because s <= 0. "current": only the next step's length.
@@ -438,6 +428,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     if stop == "exact":
       max_lp = jnp.maximum(max_lp, gnmt_length_penalty(max_len, alpha))
     cannot_improve = best_alive / max_lp < worst_finished
+    no_alive = best_alive == NEG_INF
     return cannot_improve | no_alive
 
   def results(state: _BeamState) -> tuple[jax.Array, jax.Array]:
@@ -464,7 +455,6 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       last_tokens=jnp.full((batch, beams), bos_id, jnp.int32),
       finished_seqs=jnp.zeros((batch, beams, max_len), jnp.int32),
       finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
-      top_ended=jnp.zeros((batch,), bool),
       cache=cache,
   )
   if shrink is None or not early_exit:

@@ -301,10 +301,8 @@ class Translator:
       beam_size, length_penalty: beam search (the paper: 4 and 0.6).
       beam_stop: when beam search stops an input: "exact" (once no alive
         hypothesis could beat its n-best at any length it can still reach:
-        what searching to max_len gives), "current" (once none could at
-        its next step's length: faster, not exact) or "first" (once the
-        best of a step's candidates ends: CTranslate2's rule, fastest;
-        `search.beam_search`).
+        what searching to max_len gives) or "current" (once none could at
+        its next step's length: faster, not exact; `search.beam_search`).
       max_len: most tokens generated (EOS included); None: input length + extra_len.
       min_len: fewest tokens before EOS may be generated.
       temperature, top_k, top_p, seed: sampling (top_k 0, top_p 1 and
