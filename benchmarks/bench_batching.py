@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_vs_ctranslate2 import read_input
+from benchmarks.bench_vs_ctranslate2 import add_model_and_input_arguments, read_input
 from transformer.decoding import loader, loops
 from transformer.decoding import translator as translator_lib
 
@@ -115,11 +115,7 @@ def timing(translator, lines, method, batch, repeats):
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--input", required=True, help="one sentence a line, or source<TAB>target")
-  parser.add_argument("--lines", type=int, default=1000)
-  parser.add_argument("--batch_sizes", default="32,128")
-  parser.add_argument("--methods", default="greedy,beam")
+  add_model_and_input_arguments(parser)
   parser.add_argument("--repeats", type=int, default=3, help="timed rounds (0: accounting only)")
   args = parser.parse_args(argv)
   lines, _ = read_input(Path(args.input), args.lines)

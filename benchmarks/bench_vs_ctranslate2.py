@@ -37,6 +37,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def add_model_and_input_arguments(parser: argparse.ArgumentParser) -> None:
+  """The flags this benchmark shares with bench_batching.py: the model, the
+  input lines, the batch sizes and the methods."""
+  parser.add_argument("--workdir", required=True)
+  parser.add_argument("--input", required=True, help="a TSV (source<TAB>reference) or text")
+  parser.add_argument("--lines", type=int, default=1000)
+  parser.add_argument("--batch_sizes", default="32,128")
+  parser.add_argument("--methods", default="greedy,beam")
+
+
 def read_input(path: Path, lines: int) -> tuple[list[str], list[str] | None]:
   rows = path.read_text(encoding="utf-8").splitlines()[:lines]
   if all("\t" in row for row in rows):
@@ -97,11 +107,7 @@ def command_seconds(args: list[str]) -> float:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workdir", required=True)
-  parser.add_argument("--input", required=True, help="a TSV (source<TAB>reference) or text")
-  parser.add_argument("--lines", type=int, default=1000)
-  parser.add_argument("--batch_sizes", default="32,128")
-  parser.add_argument("--methods", default="greedy,beam")
+  add_model_and_input_arguments(parser)
   parser.add_argument("--quantizations", default="float32,int8")
   parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
   parser.add_argument("--commands", action="store_true",

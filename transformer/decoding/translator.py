@@ -352,7 +352,7 @@ class Translator:
     options = (float(length_penalty), float(temperature), float(top_p), int(min_len))
     switches = (temperature != 1.0, top_p < 1.0) if method == "sample" else (False, False)
     rng = jax.random.key(seed)
-    batches = []  # (shape, member indices, rows)
+    batches = []  # (shape, member indices)
     inputs_per_batch = lambda src_len: max(
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
     for src_len, members in length_batches(encoded, self.config.max_len, inputs_per_batch):

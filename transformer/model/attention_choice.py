@@ -10,8 +10,8 @@ for float32, the einsums on CPU (measured faster there) and TPU. cuDNN's
 first GPU check (H200, JAX 0.11.2, 2026-11-26) found non-finite gradients
 for padding queries, the rows whose every key is masked; a query that sees
 no key now sees every key when cuDNN runs (`scaled_dot_product_attention`),
-which made it pass `benchmarks/accelerator_check.py` and train shape S 1.27x
-faster than XLA (docs/what-runs-where.md).
+which made it pass `benchmarks/accelerator_check.py`; it then trained
+wmt14_base's batch 1.20x faster than XLA (docs/what-runs-where.md).
 `attention_implementation_name` says which in one line for the log.
 """
 
