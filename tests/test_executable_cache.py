@@ -38,8 +38,9 @@ def cache_dir(tmp_path):
 
 
 def _translate(**options):
+  """SENTENCES in two batches (of 2) of two lengths: two decoders."""
   translator = loader.load_translator(str(FIXTURE_WORKDIR))
-  out = translator.translate(SENTENCES, **options)
+  out = translator.translate(SENTENCES, batch_size=2, **options)
   return out, translator.last_stats
 
 
@@ -54,13 +55,36 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
   first, stats = _translate(method="beam")
   stored = sorted(cache_dir.iterdir())
   assert stats["decoders_loaded"] == 0
-  assert len(list(cache_dir.glob("*.bin"))) == 2  # two length buckets
+  assert len(list(cache_dir.glob("*.bin"))) == 2  # two batch shapes
   assert len(list(cache_dir.glob("*.shapes"))) == 1  # the parameters' shapes
   _never_trace(monkeypatch)
   monkeypatch.setattr(loader, "init_params", lambda *a: pytest.fail("the model was traced"))
   second, stats = _translate(method="beam")
   assert second == first and stats["decoders_loaded"] == 2
   assert sorted(cache_dir.iterdir()) == stored
+
+
+def test_decoders_are_prepared_side_by_side_and_translate_the_same(monkeypatch):
+  """The decoders one call needs (here two batch shapes) are compiled in
+  threads of their own, one per core (`Translator._prepare_all`); with one
+  core, one after the other: the same translations."""
+  import threading
+  threads = []
+  prepare = translator_lib.Translator._prepare
+
+  def recording(self, shape, inputs):
+    threads.append(threading.current_thread().name)
+    return prepare(self, shape, inputs)
+
+  monkeypatch.setattr(translator_lib.Translator, "_prepare", recording)
+  monkeypatch.setattr(translator_lib.os, "cpu_count", lambda: 2)
+  side_by_side, _ = _translate(method="greedy")
+  assert len(threads) == 2 and all(name.startswith("compile") for name in threads)
+  threads.clear()
+  monkeypatch.setattr(translator_lib.os, "cpu_count", lambda: 1)
+  one_by_one, _ = _translate(method="greedy")
+  assert threads == [threading.main_thread().name] * 2
+  assert one_by_one == side_by_side
 
 
 @pytest.mark.slow  # (15-25 s on 2 cores: `python -m pytest -m slow`)

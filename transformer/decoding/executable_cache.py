@@ -45,6 +45,7 @@ import logging
 import os
 import pickle
 import platform
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from transformer.data.text_io import write_atomically
 logger = logging.getLogger(__name__)
 
 _persistent_cache_hits = 0  # JAX's count of programs read from its compilation cache
+_CACHE_OFF = threading.Lock()  # held while `_compile_fresh` turns that cache off
 
 
 def _count_cache_hits(event: str, **kwargs) -> None:
@@ -142,16 +144,17 @@ def _compile_fresh(compile_fn: Callable[[], jax.stages.Compiled]) -> jax.stages.
   from jax.experimental.compilation_cache import compilation_cache
   hits = _persistent_cache_hits
   compiled = compile_fn()
-  if _persistent_cache_hits == hits:
+  if _persistent_cache_hits == hits:  # (another thread's hit only costs a compile)
     return compiled
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()  # (JAX decides at a compile whether to use it)
-  try:
-    return compile_fn()
-  finally:
-    jax.config.update("jax_enable_compilation_cache", enabled)
-    compilation_cache.reset_cache()
+  with _CACHE_OFF:  # (Translator compiles decoders in threads: one switches it at a time)
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # (JAX decides at a compile whether to use it)
+    try:
+      return compile_fn()
+    finally:
+      jax.config.update("jax_enable_compilation_cache", enabled)
+      compilation_cache.reset_cache()
 
 
 def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
