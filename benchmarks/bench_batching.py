@@ -12,11 +12,12 @@ source padding. On real text, for a trained model.
    the tokens generated and the source tokens: the share that is work for
    a sentence. Exact arithmetic of `loops._shrinking_loop`'s rule, no timing.
 2. **Timing.** `Translator.translate` of the same lines (every shape
-   compiled first, then `--repeats` alternating rounds, medians) with
-   `translator.length_batches` (consecutive lengths) and early-exit checks
-   every 4 steps (`loops.EARLY_EXIT_CHUNK`), against the batching before
-   2026-11-26 (`per_bucket_batches`: one length bucket per batch) and
-   checks every 8 steps.
+   compiled first, then `--repeats` alternating rounds, medians) as it is:
+   `translator.length_batches` (consecutive lengths), early-exit checks
+   every 4 steps (`loops.EARLY_EXIT_CHUNK`), the longest batches decoded
+   first (`translator.LONGEST_FIRST`); the same shortest first; and as
+   before 2026-11-26 (`per_bucket_batches`: one length bucket per batch,
+   checks every 8 steps, shortest first).
 """
 
 from __future__ import annotations
@@ -89,27 +90,40 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
   return rows
 
 
+# (batching, early-exit check every, decoded longest batches first): the
+# settings of `translator.length_batches`, `loops.EARLY_EXIT_CHUNK` and
+# `translator.LONGEST_FIRST` each timed variant runs with. The first: now.
+VARIANTS = {("consecutive", 4, True): (translator_lib.length_batches, 4, True),
+            ("consecutive", 4, False): (translator_lib.length_batches, 4, False),
+            ("per bucket", 8, False): (per_bucket_batches, 8, False)}
+BASELINE = ("per bucket", 8, False)  # before 2026-11-26
+
+
+def _set(form, chunk, longest_first) -> None:
+  translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # (read when tracing)
+  translator_lib.LONGEST_FIRST = longest_first
+
+
 def timing(translator, lines, method, batch, repeats):
-  """{(batching, chunk): (median seconds, translations)} (part 2)."""
-  variants = {("consecutive", 4): translator_lib.length_batches,
-              ("per bucket", 8): per_bucket_batches}
-  defaults = translator_lib.length_batches, loops.EARLY_EXIT_CHUNK
+  """{variant: (median seconds, translations)} (part 2)."""
+  defaults = (translator_lib.length_batches, loops.EARLY_EXIT_CHUNK,
+              translator_lib.LONGEST_FIRST)
   translators, seconds, outputs = {}, {}, {}
   try:
-    for (batching, chunk), form in variants.items():
-      translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # read when tracing
+    for variant, settings in VARIANTS.items():
+      _set(*settings)
       fresh = translator_lib.Translator(translator.config, translator.params,
                                         translator.tokenizer)
       fresh.translate(lines, method=method, batch_size=batch)  # compiles every shape
-      translators[batching, chunk], seconds[batching, chunk] = fresh, []
+      translators[variant], seconds[variant] = fresh, []
     for _ in range(repeats):
-      for (batching, chunk), fresh in translators.items():
-        translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = variants[batching, chunk], chunk
+      for variant, fresh in translators.items():
+        _set(*VARIANTS[variant])
         start = time.perf_counter()
-        outputs[batching, chunk] = fresh.translate(lines, method=method, batch_size=batch)
-        seconds[batching, chunk].append(time.perf_counter() - start)
+        outputs[variant] = fresh.translate(lines, method=method, batch_size=batch)
+        seconds[variant].append(time.perf_counter() - start)
   finally:
-    translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = defaults
+    _set(*defaults)
   return {key: (statistics.median(s), outputs[key]) for key, s in seconds.items()}
 
 
@@ -136,17 +150,21 @@ def main(argv=None) -> int:
           f"| {read:.1%} |", flush=True)
   if not args.repeats:
     return 0
-  print(f"\n| method | batch | batching, check every | seconds (median of {args.repeats}) "
-        "| sentences/s | vs per bucket, 8 | translations the same |")
+  print(f"\n| method | batch | batching, check every, order | seconds (median of "
+        f"{args.repeats}) | sentences/s | vs per bucket, 8, shortest first "
+        "| translations the same |")
   print("|---|---|---|---|---|---|---|")
   for method in args.methods.split(","):
     for batch in batch_sizes:
       results = timing(translator, lines, method, batch, args.repeats)
-      base_seconds, base_out = results["per bucket", 8]
-      for (batching, chunk), (s, out) in sorted(results.items(), key=lambda kv: -kv[1][0]):
+      base_seconds, base_out = results[BASELINE]
+      for (batching, chunk, longest), (s, out) in sorted(results.items(),
+                                                         key=lambda kv: -kv[1][0]):
         same = sum(a == b for a, b in zip(out, base_out))
-        print(f"| {method} | {batch} | {batching}, {chunk} | {s:.2f} | {len(lines) / s:.1f} "
-              f"| {base_seconds / s:.2f}x | {same} of {len(lines)} |", flush=True)
+        order = "longest first" if longest else "shortest first"
+        print(f"| {method} | {batch} | {batching}, {chunk}, {order} | {s:.2f} "
+              f"| {len(lines) / s:.1f} | {base_seconds / s:.2f}x | {same} of {len(lines)} |",
+              flush=True)
   return 0
 
 

@@ -226,6 +226,30 @@ def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   assert whole == shrunk
 
 
+def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):
+  """`translator.LONGEST_FIRST`: lanes take the longest batches first (so
+  they end together); shortest first gives the same translations."""
+  from transformer.decoding import translator as translator_lib
+  translator = run_example(API_EXAMPLE)[0]["translator"]
+  lengths = []
+  dispatch = translator_lib.Translator._dispatch
+
+  def recording(self, shape, inputs):
+    lengths.append(shape[2])  # the batch's padded source length
+    return dispatch(self, shape, inputs)
+
+  monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
+  sentences = ["one small cat", "forty-two red apples and seven new cars and one small cat",
+               "a cat", "seven new cars"]
+  options = dict(method="greedy", batch_size=1, concurrent_batches=1)
+  longest_first = translator.translate(sentences, **options)
+  assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+  lengths.clear()
+  monkeypatch.setattr(translator_lib, "LONGEST_FIRST", False)
+  assert translator.translate(sentences, **options) == longest_first
+  assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+
+
 def test_cross_attention_of_a_given_target(run_example):
   namespace, _ = run_example(API_EXAMPLE)
   translator = namespace["translator"]

@@ -57,6 +57,8 @@ MIN_BUCKET = 8
 # docs/benchmarks.md: halving to 4 rows saved a little more for twice the compiling).
 SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
+LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
+                     # measuring, benchmarks/bench_batching.py)
 
 
 class Hypothesis(NamedTuple):
@@ -404,7 +406,10 @@ class Translator:
     compile_seconds = self._prepare_all(
         [(shape, batch_inputs(shape, members)) for shape, members in first_batches.items()])
 
-    queue = iter(batches)
+    # Longest batches first: lanes that take the next batch as they free up
+    # then end together, instead of one lane decoding the longest batch alone
+    # at the end (measured in docs/benchmarks.md "Wasted rows").
+    queue = iter(batches[::-1] if LONGEST_FIRST else batches)
     take = threading.Lock()  # (lanes take the next batch in turn)
     failed = threading.Event()  # (one lane's error stops the others)
 
