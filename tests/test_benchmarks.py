@@ -204,6 +204,7 @@ def test_plain_jit_would_reduce_the_gradients_at_every_micro_batch():
   assert row["all-reduce"][0] >= row["params"], row
 
 
+@pytest.mark.slow  # (~20 s on 2 cores: `python -m pytest -m slow`)
 def test_fsdp_splits_the_state_and_gathers_and_scatters_once_per_update():
   """state_sharding="fsdp" on 8 devices: one device holds ~1/8 of the train
   state; the parameters are all-gathered and the gradients reduce-scattered

@@ -598,6 +598,7 @@ def test_bfloat16_training_gradients_are_float32_and_close(normalization):
   assert cosine > 0.99
 
 
+@pytest.mark.slow  # (~20 s on 2 cores: `python -m pytest -m slow`)
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, monkeypatch):
   """The Translator's decoders drop finished inputs as they go
