@@ -76,7 +76,7 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
   max_length, rows = translator.config.max_len, []
   source = sum(map(len, encoded))
   for batch in batch_sizes:
-    shrink = translator._shrink(True)
+    shrink = translator._shrink(translator.shrink_batches)
     sizes = shrink.sizes(batch) if shrink is not None else [batch]
     for batching in BATCHINGS:
       batches = make_batches(batching, encoded, max_length, batch)

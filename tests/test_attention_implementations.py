@@ -361,18 +361,17 @@ def test_fused_and_einsum_paths_match_float64_reference(monkeypatch, fused_calls
                                              g64 * sees_a_key[:, :, None, None])}
   tol = TOL[dtype]
   results = {}
-  cudnn = [("cudnn requested", "gpu", "cudnn")] if dtype == "bfloat16" else []
-  for name, backend, implementation in [("einsum", "cpu", None),
-                                        ("gpu default", "gpu", None),
-                                        *cudnn,
-                                        ("xla", "cpu", "xla")]:
+  gpu_default = "cudnn" if dtype == "bfloat16" else "xla"  # (head_dim 8; no float32 kernel)
+  cudnn = [("cudnn requested", "gpu", "cudnn", "cudnn")] if dtype == "bfloat16" else []
+  for name, backend, implementation, runs in [("einsum", "cpu", None, None),
+                                              ("gpu default", "gpu", None, gpu_default),
+                                              *cudnn,
+                                              ("xla", "cpu", "xla", "xla")]:
     fake_backend(monkeypatch, backend)
     calls = len(fused_calls)
-    via_cudnn = (attention_choice.choose_attention_implementation(
-        implementation, backend=backend, dtype=jnp.dtype(dtype), head_dim=8) == "cudnn")
+    via_cudnn = runs == "cudnn"
     out, grads = attention_and_grads(q, k, v, mask, g_real if via_cudnn else g, implementation)
-    assert [c[0] for c in fused_calls[calls:]] == ([] if backend == "cpu" and implementation is None
-                                                   else ["cudnn" if via_cudnn else "xla"])
+    assert [c[0] for c in fused_calls[calls:]] == ([] if runs is None else [runs])
     assert out.dtype == jnp.dtype(dtype)
     ref_out, ref_grads = references[via_cudnn]
     rows = sees_a_key if via_cudnn else np.ones_like(sees_a_key)

@@ -203,8 +203,8 @@ def test_batches_by_tokens_translate_as_batches_by_sentences(translator):
 def _decoder_hlo(translator, temperature: float, top_p: float) -> str:
   options = dict(method="sample", top_k=0, temperature=temperature, top_p=top_p, seed=0)
   translator.translate_hypotheses(["one small cat"], **options)
-  key = [k for k in translator._executables if k[0][0] == "sample"][-1]
-  return translator._executables[key].as_text()
+  shape = [s for s in translator._executables if s[0] == "sample"][-1]
+  return translator._executables[shape].as_text()
 
 
 def test_temperature_and_top_p_cost_nothing_when_off(translator):

@@ -93,12 +93,14 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   batches: list[tuple[int, list[int]]] = []
   members: list[int] = []
   for i in todo:
-    if members and len(members) >= inputs_per_batch(bucket_length(len(encoded[i]), max_length)):
-      batches.append((bucket_length(len(encoded[members[-1]]), max_length), members))
+    length = bucket_length(len(encoded[i]), max_length)  # (the longest so far: sorted)
+    if members and len(members) >= inputs_per_batch(length):
+      batches.append((batch_length, members))
       members = []
     members.append(i)
+    batch_length = length
   if members:
-    batches.append((bucket_length(len(encoded[members[-1]]), max_length), members))
+    batches.append((batch_length, members))
   return batches
 
 
@@ -158,7 +160,7 @@ class Translator:
     self.overlap = True  # detokenize batch k - 1 while the device decodes batch k
     self.shrink_batches = self.mesh.devices.flat[0].platform == "cpu"
     self._compiled = {}  # the cross-attention function, jitted once
-    self._executables = {}  # decoders compiled, by (batch shape, shrink_batches)
+    self._executables = {}  # decoders compiled for one batch shape
     self._decoders_loaded = 0  # of them, how many executable_cache loaded
     def logits_kernel(params):  # (split like the embedding it comes from, under fsdp)
       kernel = self.model.apply({"params": params}, method=Transformer.logits_kernel)
@@ -188,7 +190,7 @@ class Translator:
   def _decode_fn(self, method: str, batch: int, src_len: int, max_len: int,
                  beam_size: int, top_k: int, early_exit: bool = True,
                  temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
-                 beam_stop: str = "exact"):
+                 beam_stop: str = "exact", shrink: bool = True):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], rng, row_lines [batch],
     row_copies [batch], length_penalty, temperature, top_p, min_len) ->
@@ -199,7 +201,9 @@ class Translator:
     a top_p of 1 (`temperature_on`, `top_p_on` False) is left out of the
     program (no division, no sort of the vocabulary). Beam search stops an
     input once its first `n_best` hypotheses are final (0: all beam_size), by
-    the bound `beam_stop` names (`search.beam_search`'s `stop`)."""
+    the bound `beam_stop` names (`search.beam_search`'s `stop`). With early
+    exit and `shrink` (`shrink_batches`), the batch drops finished inputs
+    (`_shrink`)."""
     cfg, model = self.config, self.model
 
     def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
@@ -216,8 +220,8 @@ class Translator:
       def state(beams=1):  # what the search carries: the cache and the encoder memory
         return {"cache": init_cache(cfg, batch, max_len, beams), "memory": memory}
 
-      common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id,
-                    eos_id=cfg.eos_id, min_len=min_len, shrink=self._shrink(early_exit),
+      common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
+                    min_len=min_len, shrink=self._shrink(early_exit and shrink),
                     empty_rows=jnp.all(inputs == cfg.pad_id, axis=1))  # (filling the batch)
       if method == "beam":
         return decoding.beam_search(
@@ -244,12 +248,13 @@ class Translator:
                                       replicated, replicated),
                    out_shardings=(data, data))
 
-  def _shrink(self, early_exit: bool) -> decoding.Shrink | None:
+  def _shrink(self, shrink: bool) -> decoding.Shrink | None:
     """How a batch drops its finished inputs (`decoding.Shrink`): to a quarter
     of its rows once they hold the unfinished, down to SHRINK_MIN_ROWS (a
-    multiple of the devices). None without early exit (every step on every
-    row, for benchmarks) or `shrink_batches` (accelerators: class docstring)."""
-    if not early_exit or not self.shrink_batches:
+    multiple of the devices). None when not `shrink`: without early exit
+    (every step on every row, for benchmarks) or `shrink_batches` (off on
+    accelerators: class docstring)."""
+    if not shrink:
       return None
     devices = len(self.mesh.devices.flat)
     return decoding.Shrink(
@@ -361,7 +366,8 @@ class Translator:
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
       shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
                beam_size, top_k, early_exit, *switches,
-               *((n_best, beam_stop) if method == "beam" else (0, "exact")))
+               *((n_best, beam_stop) if method == "beam" else (0, "exact")),
+               self.shrink_batches)
       batches.append((shape, members))
     batches = batches[share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
@@ -502,8 +508,7 @@ class Translator:
     on 2 cores; compiling them (a first run) measured no faster, 13-14 s
     either way (tracing holds Python's lock). Returns the seconds it took."""
     start = time.perf_counter()
-    todo = [(shape, inputs) for shape, inputs in needed
-            if (shape, self.shrink_batches) not in self._executables]
+    todo = [(shape, inputs) for shape, inputs in needed if shape not in self._executables]
     workers = min(len(todo), os.cpu_count() or 1)
     if workers > 1:
       with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
@@ -518,13 +523,12 @@ class Translator:
     the first time this shape is seen (or loaded, compiled by an earlier
     process: executable_cache.py); `inputs`: a batch's arguments after the
     parameters. Returns whether it was loaded."""
-    if (shape, self.shrink_batches) in self._executables:
+    if shape in self._executables:
       return False
     args = (self.params, self.logits_kernel, *inputs)
     parts = {"model": self.config.to_dict(), "decoder": shape,
-             "shrink_batches": self.shrink_batches,
              "arguments": executable_cache.describe(args)}
-    self._executables[shape, self.shrink_batches], loaded = executable_cache.load_or_compile(
+    self._executables[shape], loaded = executable_cache.load_or_compile(
         parts, lambda: self._decode_fn(*shape).lower(*args).compile())
     return loaded
 
@@ -532,8 +536,7 @@ class Translator:
     """Starts decoding one batch with the decoder of `shape` (`_prepare`d);
     `inputs`: its arguments after the parameters. Returns (sequences [rows,
     n, max_len], scores [rows, n]) as device arrays, still being computed."""
-    return self._executables[shape, self.shrink_batches](self.params, self.logits_kernel,
-                                                         *inputs)
+    return self._executables[shape](self.params, self.logits_kernel, *inputs)
 
   def _stats(self, sentences: int, decoded: int, truncated: int, generated: int,
              seconds: float, compile_seconds: float, host_seconds: float) -> dict[str, float]:

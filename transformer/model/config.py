@@ -99,5 +99,5 @@ def _check_config(config: TransformerConfig) -> None:
   cudnn = cudnn_problem(config.dtype, config.head_dim, config.attention_dropout_rate,
                          max_head_dim=256) if config.attention_implementation == "cudnn" else None
   check("attention_implementation", lambda v: cudnn is None,
-        f"{cudnn}; change that, or set attention_implementation=None (XLA on a GPU) "
-        "or 'xla'")
+        f"{cudnn}; change that, or set attention_implementation=None (cuDNN where "
+        "it applies, else XLA) or 'xla'")
