@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -15,6 +17,7 @@ from jax.experimental.compilation_cache import compilation_cache as cc
 from helpers import CACHE_SETTINGS
 from transformer.decoding import executable_cache, loader
 from transformer.decoding import translator as translator_lib
+from transformer.model import transformer as model_lib
 
 FIXTURE_WORKDIR = Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb"
 SENTENCES = ["one red cat", "three hundred and two blue birds and seven green frogs",
@@ -58,7 +61,9 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
   assert len(list(cache_dir.glob("*.bin"))) == 2  # two batch shapes
   assert len(list(cache_dir.glob("*.shapes"))) == 1  # the parameters' shapes
   _never_trace(monkeypatch)
-  monkeypatch.setattr(loader, "init_params", lambda *a: pytest.fail("the model was traced"))
+  monkeypatch.setattr(model_lib, "init_params", lambda *a: pytest.fail("the model was traced"))
+  monkeypatch.setattr(translator_lib.Translator, "_logits_kernel_program",
+                      lambda self: pytest.fail("the output projection was traced"))
   second, stats = _translate(method="beam")
   assert second == first and stats["decoders_loaded"] == 2
   assert sorted(cache_dir.iterdir()) == stored
@@ -152,3 +157,30 @@ def test_shapes_are_traced_once_and_equal_eval_shape(cache_dir, caplog):
     got = executable_cache.load_or_eval_shape({"model": "a"}, fresh(), x)
   assert "did not load" in caplog.text and len(calls) == 3
   assert jax.tree.structure(got) == jax.tree.structure(want)
+
+
+def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
+  """In processes of their own (this one has imported flax already): the
+  first load of a Translator traces the model (flax imported), the second
+  finds the parameters' shapes, the output projection's program and the
+  decoder on disk, so it never imports flax, and translates the same."""
+  script = "\n".join([
+      "import sys",
+      "from transformer.runtime import compile_cache",
+      f"compile_cache.enable({str(tmp_path / 'cache')!r})",
+      "from transformer.decoding import loader",
+      f"translator = loader.load_translator({str(FIXTURE_WORKDIR)!r})",
+      "print(translator.translate(['one red cat'], method='greedy')[0])",
+      "print(translator.last_stats['decoders_loaded'], 'flax' in sys.modules)",
+  ])
+  runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300) for _ in range(2)]
+  for run in runs:
+    assert run.returncode == 0, run.stderr[-3000:]
+  (first_text, first_state), (second_text, second_state) = (
+      run.stdout.strip().splitlines()[-2:] for run in runs)
+  assert first_state == "0 True"  # traced: nothing on disk yet
+  assert second_state == "1 False"  # its one decoder loaded, flax never imported
+  assert second_text == first_text
+  assert sorted(p.suffix for p in (tmp_path / "cache" / "decoders").iterdir()) == [
+      ".bin", ".logits_kernel", ".shapes"]

@@ -41,9 +41,7 @@ import os
 import sys
 
 from transformer.runtime.host_memory import keep_freed_memory
-from transformer.model import (MultiHeadAttention, Transformer, TransformerConfig,
-                               count_params, init_params, scaled_dot_product_attention,
-                               sinusoidal_positional_encoding)
+from transformer.model import TransformerConfig
 
 
 
@@ -102,7 +100,13 @@ def load_translator(workdir: str, checkpoint="auto"):
 
 
 def __getattr__(name):
+  """The model's names and the Translator, imported on first use (the model
+  imports flax: `transformer.model`'s docstring says why that waits)."""
   if name == "Translator":
     from transformer.decoding.translator import Translator
     return Translator
-  raise AttributeError(name)
+  if name in ("Transformer", "MultiHeadAttention", "count_params", "init_params",
+              "scaled_dot_product_attention", "sinusoidal_positional_encoding"):
+    from transformer import model
+    return getattr(model, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,9 @@ persistent cache bypassed, and that copy is kept (`_compile_fresh`).
 Beside them, `load_or_eval_shape` keeps the abstract result of tracing a
 function (`<key>.shapes`): a Translator's parameter shapes, which otherwise
 cost a trace of the whole model at every start (0.26-0.47 s of a 2 s
-`decode.py` of one line on 2 cores).
+`decode.py` of one line on 2 cores); and the Translator keeps its one other
+program, the output projection's layout (`<key>.logits_kernel`). A start
+that finds all of them traces nothing, so it never imports flax.
 
 A file that does not load (another jaxlib, a truncated write) is removed and
 the decoder compiled (the shapes traced) as if there were none. The cache is off when the
@@ -182,13 +184,18 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
   return value, False
 
 
-def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled]):
-  """(compiled decoder, whether it was loaded): the one stored under
-  `key(parts)` if there is one that loads, else `compile_fn()` (which must
-  lower and compile anew at each call), then stored."""
+def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], *,
+                    suffix: str = ".bin", what: str = "compiled decoder"):
+  """(compiled program, whether it was loaded): the one stored under
+  `key(parts)` + `suffix` (".bin": a decoder) if there is one that loads,
+  else `compile_fn()`, then stored. `compile_fn` must trace, lower and
+  compile anew at each call, from a function made anew (a `jax.jit` of the
+  same function object compiles to the program JAX keeps in memory, which
+  may be the persistent cache's copy that does not serialize whole:
+  `_compile_fresh`)."""
   from jax.experimental import serialize_executable
   return _load_or_make(
-      parts, ".bin", "compiled decoder",
+      parts, suffix, what,
       make=lambda: _compile_fresh(compile_fn),
       dump=serialize_executable.serialize,
       load=lambda stored: serialize_executable.deserialize_and_load(*stored))

@@ -3,7 +3,6 @@ config, the vocabulary and the checkpoint chosen by `workdir.resolve_checkpoint`
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -13,7 +12,6 @@ from jax.sharding import Mesh
 from transformer.data.tokenizer import load_tokenizer
 from transformer.decoding import executable_cache
 from transformer.decoding.translator import Translator
-from transformer.model.transformer import init_params
 from transformer.runtime import averaging, multihost, parallel
 from transformer.runtime.workdir import (check_files, load_model_config, resolve_checkpoint,
                                          stale_average_note, vocab_path)
@@ -49,8 +47,8 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   # The parameters' shapes, traced from the model once and then kept with the
   # compiled decoders (a trace of the whole model at every start otherwise).
   target = executable_cache.load_or_eval_shape(
-      {"model": model_config.to_dict(), "of": "init_params"},
-      functools.partial(init_params, model_config), jax.random.key(0))
+      {"model": model_config.to_dict(), "of": "init_params"}, _init_params(model_config),
+      jax.random.key(0))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -66,3 +64,13 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     raise ValueError(f"cannot load the parameters: {e}") from e
   translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding)
   return (translator, info) if with_info else translator
+
+
+def _init_params(model_config):
+  """`init_params` for `model_config`, imported when it is called: the model
+  imports flax, which a start that finds the shapes on disk never needs
+  (`transformer.model`'s docstring)."""
+  def init(rng):
+    from transformer.model.transformer import init_params
+    return init_params(model_config, rng)
+  return init

@@ -29,6 +29,7 @@ output lines and stderr).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import threading
 import time
@@ -46,7 +47,6 @@ from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
 from transformer.model import kv_cache
 from transformer.model.kv_cache import init_cache, reorder_cache
-from transformer.model.transformer import Transformer
 from transformer.runtime import parallel
 from transformer.decoding.options import check_options
 from transformer.runtime.errors import OptionError
@@ -150,7 +150,6 @@ class Translator:
                param_sharding: str = "replicated"):
     self.config = model_config
     self.tokenizer = tokenizer
-    self.model = Transformer(model_config)
     self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
     if param_sharding not in parallel.STATE_SHARDINGS:
       raise OptionError("param_sharding", param_sharding,
@@ -162,15 +161,16 @@ class Translator:
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
     self._decoders_loaded = 0  # of them, how many executable_cache loaded
-    def logits_kernel(params):  # (split like the embedding it comes from, under fsdp)
-      kernel = self.model.apply({"params": params}, method=Transformer.logits_kernel)
-      if kernel is None or param_sharding == "replicated":
-        return kernel
-      return jax.lax.with_sharding_constraint(
-          kernel, NamedSharding(self.mesh, parallel.fsdp_spec(kernel.shape,
-                                                              len(self.mesh.devices.flat))))
-    self._logits_kernel_fn = jax.jit(logits_kernel)
+    self._logits_kernel_fn = None  # (`_logits_kernel`)
     self.set_params(params)
+
+  @functools.cached_property
+  def model(self):
+    """The flax module, made on first use: only tracing a program needs it,
+    and a Translator whose decoders are all on disk (`executable_cache`) never
+    does, so decode.py then never imports flax (0.15-0.25 s of its start)."""
+    from transformer.model.transformer import Transformer
+    return Transformer(self.config)
 
   def set_params(self, params) -> None:
     """Translates with `params` from now on (same shapes: e.g. a later
@@ -180,10 +180,37 @@ class Translator:
       params = parallel.to_host(params)  # global arrays -> this process's devices
     self._param_shardings = parallel.state_shardings(params, self.mesh, self.param_sharding)
     self.params = jax.device_put(params, self._param_shardings)
-    # The tied output projection laid out for decoding steps, once for all
-    # batches (a transpose of the embedding: 40 ms for the base model on CPU).
-    self.logits_kernel = self._logits_kernel_fn(self.params)
+    self.logits_kernel = self._logits_kernel(self.params)
     self._logits_kernel_sharding = jax.tree.map(lambda x: x.sharding, self.logits_kernel)
+
+  def _logits_kernel(self, params):
+    """The tied output projection laid out for decoding steps
+    (`Transformer.logits_kernel`), once for all batches (a transpose of the
+    embedding: 40 ms for the base model on CPU); None when untied. Compiled
+    once and kept with the decoders (`executable_cache`), so that a start
+    traces nothing; under fsdp split like the embedding it comes from."""
+    if not self.config.logits_via_embedding:
+      return None
+    if self._logits_kernel_fn is None:
+      parts = {"of": "logits_kernel", "model": self.config.to_dict(),
+               "params": executable_cache.describe(params)}
+      self._logits_kernel_fn, _ = executable_cache.load_or_compile(
+          parts, lambda: jax.jit(self._logits_kernel_program()).lower(params).compile(),
+          suffix=".logits_kernel", what="compiled logits kernel")
+    return self._logits_kernel_fn(params)
+
+  def _logits_kernel_program(self):
+    """params -> `Transformer.logits_kernel` (split like the embedding it
+    comes from, under fsdp)."""
+    mesh, devices = self.mesh, len(self.mesh.devices.flat)
+
+    def logits_kernel(params):
+      kernel = self.model.apply({"params": params}, method="logits_kernel")
+      if self.param_sharding == "replicated":
+        return kernel
+      return jax.lax.with_sharding_constraint(
+          kernel, NamedSharding(mesh, parallel.fsdp_spec(kernel.shape, devices)))
+    return logits_kernel
 
   # -- the jitted decoder ----------------------------------------------------
 
@@ -208,13 +235,13 @@ class Translator:
 
     def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
             temperature, top_p, min_len):
-      encoded = model.apply({"params": params}, inputs, method=Transformer.encode)
+      encoded = model.apply({"params": params}, inputs, method="encode")
       memory = model.apply({"params": params}, encoded, inputs, None, logits_kernel,
-                           method=Transformer.encoder_memory)
+                           method="encoder_memory")
 
       def tokens_to_logits(token_ids, state):
         logits, cache = model.apply({"params": params}, token_ids, state["cache"],
-                                    state["memory"], method=Transformer.decode_step)
+                                    state["memory"], method="decode_step")
         return logits, dict(state, cache=cache)
 
       def state(beams=1):  # what the search carries: the cache and the encoder memory

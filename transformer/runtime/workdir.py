@@ -54,7 +54,7 @@ import os
 
 from etils import epath
 
-from transformer.model.transformer import TransformerConfig
+from transformer.model.config import TransformerConfig
 from transformer.runtime import averaging, checkpoints
 from transformer.runtime import multihost
 from transformer.runtime.errors import OptionError
