@@ -105,8 +105,7 @@ def __getattr__(name):
   if name == "Translator":
     from transformer.decoding.translator import Translator
     return Translator
-  if name in ("Transformer", "MultiHeadAttention", "count_params", "init_params",
-              "scaled_dot_product_attention", "sinusoidal_positional_encoding"):
-    from transformer import model
+  from transformer import model
+  if name in model.__all__:
     return getattr(model, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ from transformer.model.config import TransformerConfig
 
 # Names of model/transformer.py, imported on first use: that module imports
 # flax (0.15-0.25 s on a 2-core CPU), which a decode.py whose compiled
-# decoders are on disk never needs (tests/test_import_graph.py checks it).
+# decoders are on disk never needs (tests/test_executable_cache.py checks it).
 _TRANSFORMER_NAMES = ("Transformer", "MultiHeadAttention", "count_params", "init_params",
                       "scaled_dot_product_attention", "sinusoidal_positional_encoding")
 
