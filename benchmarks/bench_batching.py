@@ -71,6 +71,13 @@ def row_steps(steps_needed: list[int], batch: int, chunk: int, sizes: list[int])
   return total
 
 
+def continuous_row_steps(steps_needed: list[int], chunk: int) -> int:
+  """Rows x steps if every row were refilled with the next sentence at the
+  first check after its sentence ends (continuous batching, not built: the
+  ceiling it could reach), the last pool's idle rows left out."""
+  return sum(-(-n // chunk) * chunk for n in steps_needed)
+
+
 def accounting(translator, encoded, generated, batch_sizes, chunks):
   """Rows of the accounting table (part 1)."""
   max_length, rows = translator.config.max_len, []
@@ -148,6 +155,10 @@ def main(argv=None) -> int:
       translator, encoded, generated, batch_sizes, (8, 4, 2)):
     print(f"| {batch} | {batching} | {chunk} steps | {count} | {filled:.1%} | {steps:.1%} "
           f"| {read:.1%} |", flush=True)
+  for chunk in (4, 2):
+    ceiling = sum(generated) / continuous_row_steps(generated, chunk)
+    print(f"\nContinuous batching (not built), refilling freed rows at checks every {chunk} "
+          f"steps: at most {ceiling:.1%} of the decoder row-steps generate a token.")
   if not args.repeats:
     return 0
   print(f"\n| method | batch | batching, check every, order | seconds (median of "

@@ -326,3 +326,17 @@ def test_batching_benchmark_counts_the_row_steps_the_shrinking_loop_runs(monkeyp
   work = int(jnp.max(run(start)))
   assert work == bench_batching.row_steps(needed, batch, chunk, sizes)
   assert work >= sum(needed)
+
+
+def test_the_continuous_batching_ceiling_rounds_each_sentence_up_to_a_check():
+  """bench_batching's ceiling for refilling freed rows: each sentence holds a
+  row until the first check after its end (by hand: 3, 9, 1, 14, 2 steps
+  -> 4 + 10 + 2 + 14 + 2 = 32 with checks every 2, 4 + 12 + 4 + 16 + 4 = 40
+  every 4), never more than the shrinking batch of 8 runs."""
+  from benchmarks import bench_batching
+  needed = [3, 9, 1, 14, 2]
+  assert bench_batching.continuous_row_steps(needed, 2) == 32
+  assert bench_batching.continuous_row_steps(needed, 4) == 40
+  for chunk in (2, 4):
+    assert bench_batching.continuous_row_steps(needed, chunk) <= bench_batching.row_steps(
+        needed, 8, chunk, [8, 4, 2])
