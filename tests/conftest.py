@@ -31,8 +31,8 @@ def pytest_xdist_auto_num_workers(config):
   two workers on 2 cores ran the default suite in 9 min 13 s instead of
   11 min 54 s - 13 min 37 s (2026-11-26); each worker holds its own jax and
   compiled programs (1-3 GB), hence the cap."""
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  return max(1, min(MAX_WORKERS, cores or 1))
+  from transformer.data.tokenizer import available_cores
+  return min(MAX_WORKERS, available_cores())
 
 
 @pytest.fixture(scope="module")

@@ -82,11 +82,11 @@ def test_decoders_are_prepared_side_by_side_and_translate_the_same(monkeypatch):
     return prepare(self, shape, inputs)
 
   monkeypatch.setattr(translator_lib.Translator, "_prepare", recording)
-  monkeypatch.setattr(translator_lib.os, "cpu_count", lambda: 2)
+  monkeypatch.setattr(translator_lib, "available_cores", lambda: 2)
   side_by_side, _ = _translate(method="greedy")
   assert len(threads) == 2 and all(name.startswith("compile") for name in threads)
   threads.clear()
-  monkeypatch.setattr(translator_lib.os, "cpu_count", lambda: 1)
+  monkeypatch.setattr(translator_lib, "available_cores", lambda: 1)
   one_by_one, _ = _translate(method="greedy")
   assert threads == [threading.main_thread().name] * 2
   assert one_by_one == side_by_side

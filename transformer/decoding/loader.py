@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from transformer import model
 from transformer.data.tokenizer import load_tokenizer
 from transformer.decoding import executable_cache
 from transformer.decoding.translator import Translator
@@ -45,10 +46,11 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   model_config = load_model_config(workdir)
   tokenizer = load_tokenizer(vocab_path(workdir))
   # The parameters' shapes, traced from the model once and then kept with the
-  # compiled decoders (a trace of the whole model at every start otherwise).
+  # compiled decoders (a trace of the whole model at every start otherwise;
+  # `model.init_params` is imported only then: `transformer.model.__getattr__`).
   target = executable_cache.load_or_eval_shape(
-      {"model": model_config.to_dict(), "of": "init_params"}, _init_params(model_config),
-      jax.random.key(0))
+      {"model": model_config.to_dict(), "of": "init_params"},
+      lambda rng: model.init_params(model_config, rng), jax.random.key(0))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -65,12 +67,3 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding)
   return (translator, info) if with_info else translator
 
-
-def _init_params(model_config):
-  """`init_params` for `model_config`, imported when it is called: the model
-  imports flax, which a start that finds the shapes on disk never needs
-  (`transformer.model`'s docstring)."""
-  def init(rng):
-    from transformer.model.transformer import init_params
-    return init_params(model_config, rng)
-  return init

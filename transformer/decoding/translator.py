@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -41,7 +40,7 @@ import numpy as np
 import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from transformer.data.tokenizer import Tokenizer
+from transformer.data.tokenizer import Tokenizer, available_cores
 from transformer.decoding import executable_cache, loops, sampling
 from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
@@ -92,6 +91,7 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   batches: list[tuple[int, list[int]]] = []
   members: list[int] = []
+  batch_length = 0  # of `members`: its last (longest) input's bucket
   for i in todo:
     length = bucket_length(len(encoded[i]), max_length)  # (the longest so far: sorted)
     if members and len(members) >= inputs_per_batch(length):
@@ -299,8 +299,7 @@ class Translator:
     faster than one batch at a time (docs/benchmarks.md)."""
     if jax.default_backend() != "cpu":
       return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(MAX_CONCURRENT_BATCHES, (cores or 1) // len(self.mesh.devices.flat)))
+    return max(1, min(MAX_CONCURRENT_BATCHES, available_cores() // len(self.mesh.devices.flat)))
 
   # -- the public API --------------------------------------------------------
 
@@ -536,7 +535,7 @@ class Translator:
     either way (tracing holds Python's lock). Returns the seconds it took."""
     start = time.perf_counter()
     todo = [(shape, inputs) for shape, inputs in needed if shape not in self._executables]
-    workers = min(len(todo), os.cpu_count() or 1)
+    workers = min(len(todo), available_cores())
     if workers > 1:
       with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="compile") as pool:
         loaded = list(pool.map(lambda item: self._prepare(*item), todo))

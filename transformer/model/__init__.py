@@ -7,18 +7,16 @@ attention kernel (`kv_cache.py`), the attention implementation per machine
 
 from transformer.model.config import TransformerConfig
 
-# Names of model/transformer.py, imported on first use: that module imports
-# flax (0.15-0.25 s on a 2-core CPU), which a decode.py whose compiled
-# decoders are on disk never needs (tests/test_executable_cache.py checks it).
-_TRANSFORMER_NAMES = ("Transformer", "MultiHeadAttention", "count_params", "init_params",
-                      "scaled_dot_product_attention", "sinusoidal_positional_encoding")
-
 __all__ = ["Transformer", "TransformerConfig", "MultiHeadAttention", "count_params",
            "init_params", "scaled_dot_product_attention", "sinusoidal_positional_encoding"]
 
 
 def __getattr__(name):
-  if name in _TRANSFORMER_NAMES:
+  """The names of model/transformer.py, imported on first use: that module
+  imports flax (0.15-0.25 s on a 2-core CPU), which a decode.py whose
+  compiled programs are on disk never needs (tests/test_executable_cache.py
+  checks it)."""
+  if name in __all__:
     from transformer.model import transformer as module
     return getattr(module, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
