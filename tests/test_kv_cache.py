@@ -28,13 +28,15 @@ def test_cache_attention_reads_a_prefix_yet_equals_attention_over_written_positi
   query = rng.normal(size=(batch, heads, beams, d))
   key = rng.normal(size=(batch, heads, beams, d, length))
   value = rng.normal(size=(batch, heads, beams * length, d))
+  # the cache's layout: [batch, heads, d, beams * length], slot-major
+  key_cache = key.transpose(0, 1, 3, 2, 4).reshape(batch, heads, d, beams * length)
   slot_of = rng.integers(0, beams, size=(batch, beams, length))  # an ancestry table
   attend = jax.jit(kv_cache._attend_cache_prefix)
   for written in range(1, length + 1):
     visible = (slot_of[:, :, None, :] == np.arange(beams)[None, None, :, None]) & (
         np.arange(length) < written)  # [batch, beam, slot, t]
     scaled = query / np.sqrt(d)  # the step scales queries by 1/sqrt(d_k) before
-    got = np.asarray(attend(*(jnp.asarray(x, jnp.float32) for x in (scaled, key, value)),
+    got = np.asarray(attend(*(jnp.asarray(x, jnp.float32) for x in (scaled, key_cache, value)),
                             jnp.asarray(visible[:, None]), jnp.int32(written)))
     for b in range(batch):
       for h in range(heads):

@@ -12,7 +12,7 @@ Two kinds of keys/values are read by a decoding step:
     `write`).
 
 Layout (heads first, so that a step transposes nothing of the cache's size):
-  key    `[batch, heads, slots, d_k, length]`   (scores are rows of keys)
+  key    `[batch, heads, d_k, slots * length]`  (slot-major: q K^T is one matmul)
   value  `[batch, heads, slots * length, d_v]`  (slot-major: one matmul reads it)
 The `beams` rows of input b (rows b * beams ... b * beams + beams - 1) are its
 query positions, so keys/values shared by the beams are read once per input.
@@ -52,14 +52,14 @@ def init_cache(config, batch_size: int, max_decode_len: int, beams: int = 1) -> 
   """An empty self-attention cache for `batch_size` inputs with `beams` rows each.
 
   `config`: the model's `TransformerConfig`. Per decoder layer (with
-  `scan_layers`, stacked on a leading layer axis): "key" `[batch, heads, beams,
-  d_k, max_decode_len]` and "value" `[batch, heads, beams * max_decode_len,
+  `scan_layers`, stacked on a leading layer axis): "key" `[batch, heads, d_k,
+  beams * max_decode_len]` and "value" `[batch, heads, beams * max_decode_len,
   d_k]` (beam-major); "ancestry" `[batch, beams, max_decode_len]` int32 says
   which slot holds each position of each beam's history; "index" is the
   position decoded next.
   """
   heads = (batch_size, config.num_heads)
-  shapes = {"key": heads + (beams, config.head_dim, max_decode_len),
+  shapes = {"key": heads + (config.head_dim, beams * max_decode_len),
             "value": heads + (beams * max_decode_len, config.head_dim)}
   zeros = lambda shape: jnp.zeros(shape, config.compute_dtype)
   if config.scan_layers:
@@ -128,10 +128,15 @@ def write(layer_cache: dict, key: Array, value: Array, index: Array) -> dict:
 
 def _write_key_position(cache: Array, new: Array, index: Array) -> Array:
   """Writes `new` `[batch * beams, 1, heads, d_k]` at position `index` of
-  `cache` `[batch, heads, beams, d_k, max_decode_len]`, beam j into slot j."""
-  batch, heads, beams, d_k, _ = cache.shape
-  new = new.reshape(batch, beams, heads, d_k).transpose(0, 2, 1, 3)[..., None]
-  return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), (0, 0, 0, 0, index))
+  `cache` `[batch, heads, d_k, beams * max_decode_len]`, beam j at column
+  j * max_decode_len + index (one in-place update per beam, as for values)."""
+  batch, heads, d_k, flat_length = cache.shape
+  beams = new.shape[0] // batch
+  length = flat_length // beams
+  new = new.reshape(batch, beams, heads, d_k).transpose(0, 2, 3, 1).astype(cache.dtype)
+  for j in range(beams):
+    cache = jax.lax.dynamic_update_slice(cache, new[..., j:j + 1], (0, 0, 0, j * length + index))
+  return cache
 
 
 def _write_value_position(cache: Array, new: Array, index: Array) -> Array:
@@ -153,8 +158,8 @@ def _write_value_position(cache: Array, new: Array, index: Array) -> Array:
 def memory_layout(key: Array, value: Array) -> tuple[Array, Array]:
   """Encoder-decoder attention keys/values `[batch, src_length, heads, d_k]` ->
   the layouts `attend` reads, as one slot shared by all beams: keys `[batch,
-  heads, 1, d_k, src_length]`, values `[batch, heads, src_length, d_v]`."""
-  return key.transpose(0, 2, 3, 1)[:, :, None], value.transpose(0, 2, 1, 3)
+  heads, d_k, src_length]`, values `[batch, heads, src_length, d_v]`."""
+  return key.transpose(0, 2, 3, 1), value.transpose(0, 2, 1, 3)
 
 
 # ----------------------------------------------------------------------------
@@ -169,9 +174,10 @@ def attend(query: Array, key: Array, value: Array, mask: Array,
 
   Args:
     query: `[batch * beams, 1, heads, d_k]`, projected (Q W^Q), not yet scaled.
-    key: `[batch, heads, slots, d_k, kv_length]`.
+    key: `[batch, heads, d_k, slots * kv_length]` (slot-major).
     value: `[batch, heads, slots * kv_length, d_v]` (slot-major).
-    mask: bool, broadcastable to `[batch, heads, beams, slots, kv_length]`.
+    mask: bool, broadcastable to `[batch, heads, beams, slots, kv_length]`
+      (its axis 3 says how many slots the keys/values hold).
     written: for a self-attention cache, the number of positions written so
       far (scalar): only they can be visible, so only a prefix of the cache is
       read (`_attend_cache_prefix`). None for the encoder memory.
@@ -186,7 +192,7 @@ def attend(query: Array, key: Array, value: Array, mask: Array,
   if written is None:
     out = _attend_slots(query, key, value, mask)
   else:
-    parts = CACHE_PREFIX_PARTS if key.shape[2] == 1 else BEAM_CACHE_PREFIX_PARTS
+    parts = CACHE_PREFIX_PARTS if mask.shape[3] == 1 else BEAM_CACHE_PREFIX_PARTS
     out = _attend_cache_prefix(query, key, value, mask, written, parts)
   return out.transpose(0, 2, 1, 3).reshape(flat, 1, heads, value.shape[-1])
 
@@ -195,44 +201,32 @@ def _attend_slots(query: Array, key: Array, value: Array, mask: Array) -> Array:
   """Scaled dot-product attention of each input's beams over its key/value slots.
 
   query `[batch, heads, beams, d_k]` (already scaled by 1/sqrt(d_k)), key
-  `[batch, heads, slots, d_k, length]`, value `[batch, heads, slots *
+  `[batch, heads, d_k, slots * length]`, value `[batch, heads, slots *
   value_length, d_v]` with value_length >= length (positions past `length`
   get weight 0), mask broadcastable to `[batch, heads, beams, slots, length]`
-  -> `[batch, heads, beams, d_v]`.
+  (slots = its axis 3) -> `[batch, heads, beams, d_v]`.
   """
-  # scores[b, h, q, s, t] = sum_d query[b, h, q, d] key[b, h, s, d, t]
-  if key.shape[2] == 1:  # one slot (the encoder memory, greedy's cache): a matmul
-    scores = jnp.einsum("bhqd,bhdt->bhqt", query, key[:, :, 0],
-                        preferred_element_type=jnp.float32)[:, :, :, None]
-  else:
-    # Every beam against every slot: as d_k multiply-adds of whole
-    # [.., length] rows, one elementwise loop that streams the keys once (a
-    # batched matmul or a reduce measured 10-20x slower for these shapes).
-    # Summed as a balanced tree, not a chain of d_k dependent adds, so the
-    # CPU can overlap them (12-40% faster per call, measured).
-    query = query.astype(jnp.float32)
-    scores = _tree_sum([query[:, :, :, None, d, None] * key[:, :, None, :, d, :]
-                        for d in range(query.shape[-1])])
+  # scores[b, h, q, s, t] = sum_d query[b, h, q, d] key[b, h, d, s, t]: every
+  # beam against every slot in one matmul per (input, head), [beams, d_k] x
+  # [d_k, slots * length]. (Beam search computed them as d_k elementwise
+  # multiply-adds of key rows until 2026-11-26: a third of its decoder's
+  # instructions, and slower than the matmul once XLA's CPU ran batched
+  # matmuls through YNNPACK.)
+  slots = mask.shape[3]
+  length = key.shape[-1] // slots
+  scores = jnp.einsum("bhqd,bhdx->bhqx", query, key, preferred_element_type=jnp.float32)
+  scores = scores.reshape(scores.shape[:3] + (slots, length))
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=(3, 4)).astype(value.dtype)
   # heads[b, h, q, d] = sum_{s, t} weights[b, h, q, s, t] value[b, h, s * L + t, d]
   # with L = value_length: zero weights pad a prefix's to the whole value
   # cache, which the matmul then reads in place (slicing each slot's prefix
   # would copy it first, at a higher cost than the extra rows).
-  slots, length = key.shape[2], key.shape[-1]
   value_length = value.shape[2] // slots
   if value_length > length:
     weights = jnp.pad(weights, ((0, 0),) * 4 + ((0, value_length - length),))
   weights = weights.reshape(weights.shape[:3] + (-1,))
   return jnp.einsum("bhqx,bhxd->bhqd", weights, value)
-
-
-def _tree_sum(terms: list[Array]) -> Array:
-  """terms[0] + terms[1] + ..., added pairwise: depth log2(n), not n."""
-  while len(terms) > 1:
-    terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i]
-             for i in range(0, len(terms), 2)]
-  return terms[0]
 
 
 def _attend_cache_prefix(query: Array, key: Array, value: Array, mask: Array,
@@ -246,7 +240,8 @@ def _attend_cache_prefix(query: Array, key: Array, value: Array, mask: Array,
   of all of it, for 4 compiled copies of this small function. `parts`: how
   many prefixes (default CACHE_PREFIX_PARTS; 1 reads the whole cache).
   """
-  length = key.shape[-1]
+  slots = mask.shape[3]
+  length = key.shape[-1] // slots
   parts = min(CACHE_PREFIX_PARTS if parts is None else parts, length)
   if parts == 1:
     return _attend_slots(query, key, value, mask)
@@ -256,7 +251,9 @@ def _attend_cache_prefix(query: Array, key: Array, value: Array, mask: Array,
     def attend_prefix(query, key, value, mask):
       # Keys and scores are read for the prefix only; values in place (see
       # `_attend_slots`: the weights past n are zeros).
-      return _attend_slots(query, key[..., :n], value, mask[..., :n])
+      key_prefix = key.reshape(key.shape[:3] + (slots, length))[..., :n]
+      return _attend_slots(query, key_prefix.reshape(key.shape[:3] + (slots * n,)), value,
+                           mask[..., :n])
     return attend_prefix
 
   branch = sum((written > bound).astype(jnp.int32) for bound in bounds[:-1])
