@@ -21,6 +21,12 @@ decoding, the whole command's seconds, BLEU against the references (a TSV's
 target column) and the ratio to CTranslate2 float32. CTranslate2's length
 penalty differs from decode.py's GNMT penalty (its beam outputs can differ
 where the penalty decides); greedy outputs should be the same in float32.
+
+`--fixed_steps=N` adds the step alone: every row of every batch decodes
+exactly N steps in both engines (EOS forbidden before the last,
+`fixed_step_options`), so that neither's stopping rule, batching or early
+exit counts, only what a decoding step costs per row (microseconds per
+row-step, the encoder included) at each batch size.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def bleu(hypotheses, references) -> float:
 
 CT2_COMMAND = """
 import sys, time, ctranslate2, sentencepiece as spm
-model, src, out, batch, beam, threads, spm_in, spm_out = sys.argv[1:9]
+model, src, out, batch, beam, threads, spm_in, spm_out, max_len, min_len = sys.argv[1:11]
 sp_in = spm.SentencePieceProcessor(model_file=spm_in)
 sp_out = spm.SentencePieceProcessor(model_file=spm_out)
 translator = ctranslate2.Translator(model, device="cpu", intra_threads=int(threads))
@@ -70,10 +76,12 @@ lines = open(src, encoding="utf-8").read().splitlines()
 tokens = [sp_in.encode(line, out_type=str) for line in lines]
 start = time.perf_counter()
 results = translator.translate_batch(tokens, max_batch_size=int(batch), beam_size=int(beam),
-                                     max_decoding_length=256, min_decoding_length=0)
+                                     max_decoding_length=int(max_len),
+                                     min_decoding_length=int(min_len))
 seconds = time.perf_counter() - start
 with open(out, "w", encoding="utf-8") as f:
   f.writelines(sp_out.decode(r.hypotheses[0]) + "\\n" for r in results)
+print(min(len(r.hypotheses[0]) for r in results), max(len(r.hypotheses[0]) for r in results))
 print(seconds)
 """
 
@@ -85,17 +93,61 @@ def spm_files(model_dir: Path) -> tuple[str, str]:
 
 
 def ct2_run(model_dir: Path, src_file: Path, out_file: Path, batch: int, beam: int,
-            threads: int) -> tuple[float, float, list[str]]:
+            threads: int, fixed_steps: int = 0) -> tuple[float, float, list[str]]:
   """CTranslate2 as its own command (no JAX threads beside it): (seconds of
-  translate_batch, seconds of the whole command, hypotheses)."""
+  translate_batch, seconds of the whole command, hypotheses). `fixed_steps`:
+  if > 0, every hypothesis is decoded exactly that many steps (EOS allowed
+  at the last only: its best hypotheses hold that many tokens, or one fewer
+  where the last was the EOS, which CTranslate2 leaves out; checked)."""
   spm_in, spm_out = spm_files(model_dir)
+  lengths = (fixed_steps, fixed_steps) if fixed_steps else (256, 0)
   start = time.perf_counter()
   run = subprocess.run([sys.executable, "-c", CT2_COMMAND, str(model_dir), str(src_file),
-                        str(out_file), str(batch), str(beam), str(threads), spm_in, spm_out],
+                        str(out_file), str(batch), str(beam), str(threads), spm_in, spm_out,
+                        *map(str, lengths)],
                        cwd=REPO, check=True, capture_output=True, text=True)
   wall = time.perf_counter() - start
-  return (float(run.stdout.split()[-1]), wall,
-          out_file.read_text(encoding="utf-8").splitlines())
+  *_, shortest, longest, seconds = run.stdout.split()
+  if fixed_steps and not fixed_steps - 1 <= int(shortest) <= int(longest) <= fixed_steps:
+    raise RuntimeError(f"CTranslate2 decoded {shortest}-{longest} tokens, not {fixed_steps}")
+  return float(seconds), wall, out_file.read_text(encoding="utf-8").splitlines()
+
+
+def fixed_step_options(steps: int) -> dict:
+  """decode.py / Translator options under which every row decodes exactly
+  `steps` steps: at most `steps` tokens, EOS forbidden before the last."""
+  return {"max_len": steps, "min_len": steps - 1}
+
+
+def fixed_step_table(translator, exported_float32: Path, src_file: Path, out: Path,
+                     sources: list[str], args) -> None:
+  """Prints microseconds per row-step, ours (default lanes) against
+  CTranslate2 float32, every row decoding exactly `args.fixed_steps` steps."""
+  steps = args.fixed_steps
+  print(f"\nEvery row decodes exactly {steps} steps ({len(sources)} sentences; "
+        "microseconds per row-step = seconds / (sentences x beams x steps), the encoder "
+        "included):\n")
+  print("| method | batch | CTranslate2 float32 (us) | decode.py / Translator (us) | "
+        "CT2 / ours |")
+  print("|---|---|---|---|---|")
+  for method in args.methods.split(","):
+    beam = 4 if method == "beam" else 1
+    row_steps = len(sources) * beam * steps
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+      seconds = min(ct2_run(exported_float32, src_file, out / "ct2.out", batch, beam,
+                            args.threads, fixed_steps=steps)[0] for _ in range(3))
+      options = dict(method=method, beam_size=4, batch_size=batch, **fixed_step_options(steps))
+      translator.translate(sources, **options)  # every shape compiled
+      ours = []
+      for _ in range(3):
+        hypotheses = translator.translate_hypotheses(sources, **options)
+        if {h[0].length for h in hypotheses} != {steps}:
+          raise RuntimeError(f"decode.py decoded other than {steps} steps")
+        stats = translator.last_stats
+        ours.append(stats["seconds"] - stats["compile_seconds"])
+      ct2_us, ours_us = seconds / row_steps * 1e6, min(ours) / row_steps * 1e6
+      print(f"| {method} | {batch} | {ct2_us:.1f} | {ours_us:.1f} | {ct2_us / ours_us:.2f} |",
+            flush=True)
 
 
 def command_seconds(args: list[str]) -> float:
@@ -115,6 +167,9 @@ def main() -> int:
   parser.add_argument("--concurrent_batches", default="0",
                       help="ours: comma-separated values of decode.py --concurrent_batches "
                       "(0 = one per core on a CPU), a row each")
+  parser.add_argument("--fixed_steps", type=int, default=0,
+                      help="also time the step alone: every row decodes exactly this many "
+                      "steps in both engines (0: off)")
   parser.add_argument("--beam_stops", default="exact",
                       help="ours, beam search: comma-separated values of decode.py --beam_stop, "
                       "a row each")
@@ -183,6 +238,8 @@ def main() -> int:
         print(f"| {engine} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
               f"{wall:.1f} | {score:.1f} |", flush=True)
   print("\n" + "\n".join(notes))
+  if args.fixed_steps:
+    fixed_step_table(translator, exported["float32"], src_file, out, sources, args)
   (out / "done.json").write_text(json.dumps({"lines": len(sources)}))
   return 0
 

@@ -129,3 +129,29 @@ def test_the_command_names_a_missing_workdir(tmp_path):
       cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   assert "nowhere" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_fixed_step_run_decodes_every_row_exactly_that_many_steps(trained, tmp_path):
+  """bench_vs_ctranslate2 --fixed_steps compares the engines' step alone: under
+  its options every hypothesis of ours (greedy, beam n-best) holds exactly N
+  tokens, and CTranslate2's N (N - 1 where it left out a final EOS), on
+  inputs whose own translations are shorter or longer than N."""
+  import transformer
+  sys.path.insert(0, str(REPO))
+  from benchmarks import bench_vs_ctranslate2 as bench
+  sources = [s for s, _ in demo_task.demo_splits(5, num_train=12, num_eval=1,
+                                                 num_test=1)["train"]]
+  steps = 7
+  translator = transformer.load_translator(str(FIXTURE_WORKDIR))
+  free = translator.translate_hypotheses(sources, method="greedy")
+  assert {h[0].length for h in free} - {steps}  # unconstrained: other lengths
+  for method, n_best in (("greedy", 1), ("beam", 2)):
+    hypotheses = translator.translate_hypotheses(sources, method=method, n_best=n_best,
+                                                 **bench.fixed_step_options(steps))
+    assert {h.length for hs in hypotheses for h in hs} == {steps}, method
+  src_file = tmp_path / "src.txt"
+  src_file.write_text("".join(s + "\n" for s in sources), encoding="utf-8")
+  for beam in (1, 4):
+    _, _, hyps = bench.ct2_run(trained, src_file, tmp_path / "out.txt", batch=4, beam=beam,
+                               threads=1, fixed_steps=steps)
+    assert len(hyps) == len(sources)
