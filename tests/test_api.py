@@ -17,6 +17,7 @@ example that stops working fails here.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import textwrap
@@ -219,10 +220,39 @@ def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   try:
     whole = translator.translate(sentences, method="greedy", batch_size=32)
     new = set(translator._executables) - compiled
-    assert new and all(shape[-1] is False for shape in new)  # (shrink, _decode_fn's last)
+    assert new and all(shape[-2] is False for shape in new)  # (_decode_fn's `shrink`)
   finally:
     translator.shrink_batches = True
   assert whole == shrunk
+
+
+def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_example):
+  """`translate_hypotheses(scores=False)` (what `translate` and decode.py's text
+  output ask for): greedy search and one sample per input compile without the
+  per-step log-sum-exp over the vocabulary (fewer exponentials in the
+  program), translate the same, and say NaN for the scores they did not
+  compute; ranked samples (n_best > 1) keep theirs."""
+  translator = run_example(API_EXAMPLE)[0]["translator"]
+  sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"]
+
+  def exponentials(shape):
+    return translator._executables[shape].as_text().count(" exponential(")
+
+  for method, options in (("greedy", {}), ("sample", dict(top_k=5, seed=1))):
+    full = translator.translate_hypotheses(sentences, method=method, **options)
+    texts = translator.translate_hypotheses(sentences, method=method, scores=False, **options)
+    assert [h[0].text for h in texts] == [h[0].text for h in full]
+    assert all(math.isfinite(h[0].score) and math.isfinite(h[0].log_prob) for h in full)
+    assert all(math.isnan(h[0].score) and math.isnan(h[0].log_prob) for h in texts)
+    assert translator.translate(sentences, method=method, **options) == [
+        h[0].text for h in full]
+  pairs = [(shape, shape[:-1] + (True,)) for shape in translator._executables
+           if shape[-1] is False and shape[:-1] + (True,) in translator._executables]
+  assert {shape[0] for shape, _ in pairs} == {"greedy", "sample"}
+  assert all(0 < exponentials(without) < exponentials(with_) for without, with_ in pairs)
+  ranked = translator.translate_hypotheses(sentences, method="sample", n_best=2, top_k=5,
+                                           seed=1, scores=False)
+  assert all(math.isfinite(h.score) for hyps in ranked for h in hyps)
 
 
 def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):

@@ -158,7 +158,7 @@ def make_markov_model(log_table):
 # alpha, temperature, top_p, the PRNG key) are passed traced, which checks that
 # nothing is hard-coded and lets tests share compilations.
 STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache", "shrink",
-               "n_best", "stop")
+               "n_best", "stop", "log_probs")
 # Compiling dominates the run time of these tests; XLA's -O0 cuts it by about a
 # third and does not change what is computed.
 jit = functools.partial(jax.jit,
@@ -533,6 +533,11 @@ def test_greedy_matches_numpy_reference():
     np.testing.assert_allclose(scores[b], log_prob, rtol=1e-5)
   finished = (seqs == eos_id).any(axis=1)
   assert finished.any() and not finished.all()
+  # Without log-probabilities: the same numpy argmax path, zero scores.
+  tokens_only, zeros = run(decoding.greedy_search, table, OFFSETS, max_len=MAX_LEN,
+                           bos_id=bos_id, eos_id=eos_id, log_probs=False)
+  np.testing.assert_array_equal(tokens_only, seqs)
+  np.testing.assert_array_equal(zeros, np.zeros(len(OFFSETS)))
 
 
 # ---------------------------------------------------------------------------

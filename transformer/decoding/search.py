@@ -162,7 +162,7 @@ class _SamplingState(NamedTuple):
 
 def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
                   bos_id, eos_id, min_len, shrink: Shrink | None = None,
-                  empty_rows: jax.Array | None = None):
+                  empty_rows: jax.Array | None = None, log_probs: bool = True):
   """Shared loop of greedy search and sampling.
 
   choose_fn(logits [rows, vocab] float32, step, rows [rows] int32) -> token ids
@@ -171,6 +171,8 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
   shrink: drop finished inputs from the batch as they finish (`Shrink`).
   empty_rows: [batch] bool, rows with nothing to decode (the empty rows that
     fill up a batch): finished from the start (PAD, score 0).
+  log_probs: False leaves the scores out (zeros): no log-sum-exp over the
+    vocabulary at each step, for callers that keep only the tokens.
   Returns (sequences [batch, max_len] int32, scores [batch] float32).
   """
 
@@ -182,7 +184,7 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
     tokens = jnp.where(state.finished, 0, tokens)
     # log p(token) = logit - logsumexp(logits): no [batch, vocab] log-softmax.
     token_log_probs = (jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0]
-                       - jax.nn.logsumexp(logits, axis=-1))
+                       - jax.nn.logsumexp(logits, axis=-1)) if log_probs else 0.0
     scores = state.scores + jnp.where(state.finished, 0.0, token_log_probs)
     return state._replace(
         step=state.step + 1,
@@ -220,7 +222,8 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
 def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                   batch_size: int, max_len: int, bos_id: int, eos_id: int,
                   min_len: int = 0, shrink: Shrink | None = None,
-                  empty_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  empty_rows: jax.Array | None = None,
+                  log_probs: bool = True) -> tuple[jax.Array, jax.Array]:
   """Greedy decoding: the most probable next token at every step.
 
   Args:
@@ -237,6 +240,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       matmuls run in batches of other sizes).
     empty_rows: [batch] bool, rows with nothing to decode (filling up the
       batch): finished from the start, they emit PAD and cost no steps.
+    log_probs: False: no scores (zeros), and no log-sum-exp over the
+      vocabulary at each step (a few % of a step).
 
   Returns:
     sequences: [batch, max_len] int32 generated tokens (EOS included, then 0).
@@ -246,7 +251,7 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
   return sampling_loop(
       tokens_to_logits, cache, lambda logits, step, rows: argmax(logits),
       batch_size=batch_size, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
-      min_len=min_len, shrink=shrink, empty_rows=empty_rows)
+      min_len=min_len, shrink=shrink, empty_rows=empty_rows, log_probs=log_probs)
 
 
 # ---------------------------------------------------------------------------

@@ -153,8 +153,10 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
     """This process's share of a window's batches: (line number, text) pairs
     -> an output line for each line it decoded, None for the others."""
     first, texts = window[0][0], [text for _, text in window]
+    # Text output prints no scores: greedy search and sampling leave them out.
     results = translator.translate_hypotheses(texts, first_line=first, progress=progress,
-                                              share=share, **options)
+                                              share=share, scores=output_format == "jsonl",
+                                              **options)
     for key in _COUNTS:
       stats[key] += translator.last_stats.get(key, 0)
     if on_results is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -217,7 +218,7 @@ class Translator:
   def _decode_fn(self, method: str, batch: int, src_len: int, max_len: int,
                  beam_size: int, top_k: int, early_exit: bool = True,
                  temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
-                 beam_stop: str = "exact", shrink: bool = True):
+                 beam_stop: str = "exact", shrink: bool = True, log_probs: bool = True):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], rng, row_lines [batch],
     row_copies [batch], length_penalty, temperature, top_p, min_len) ->
@@ -230,7 +231,8 @@ class Translator:
     input once its first `n_best` hypotheses are final (0: all beam_size), by
     the bound `beam_stop` names (`search.beam_search`'s `stop`). With early
     exit and `shrink` (`shrink_batches`), the batch drops finished inputs
-    (`_shrink`)."""
+    (`_shrink`). Without `log_probs`, greedy search and sampling return zero
+    scores (no log-sum-exp over the vocabulary per step)."""
     cfg, model = self.config, self.model
 
     def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
@@ -258,14 +260,15 @@ class Translator:
             reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
             **common)
       if method == "greedy":
-        seqs, scores = decoding.greedy_search(tokens_to_logits, state(), **common)
+        seqs, scores = decoding.greedy_search(tokens_to_logits, state(), log_probs=log_probs,
+                                              **common)
       else:
         fold_in = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         row_keys = jax.vmap(jax.random.fold_in)(fold_in(rng, row_lines), row_copies)
         seqs, scores = sampling.sample(
             tokens_to_logits, state(), rng=row_keys,
             temperature=temperature if temperature_on else 1.0, top_k=top_k,
-            top_p=top_p if top_p_on else 1.0, **common)
+            top_p=top_p if top_p_on else 1.0, log_probs=log_probs, **common)
       return seqs[:, None], scores[:, None]
 
     data = NamedSharding(self.mesh, P("data"))
@@ -312,6 +315,8 @@ class Translator:
       best first.
       (None for the inputs of other shares, with `share`.)
     """
+    if n_best == 1:  # (only the text: no scores computed where they can be left out)
+      options.setdefault("scores", False)
     results = self.translate_hypotheses(sentences, n_best=n_best, **options)
     if n_best == 1:
       return [None if hyps is None else hyps[0].text for hyps in results]
@@ -325,7 +330,7 @@ class Translator:
       seed: int = 0, n_best: int = 1, batch_size: int = 32, batch_tokens: int = 0,
       first_line: int = 0, progress: bool = False,
       early_exit: bool = True, share: tuple[int, int] = (0, 1), concurrent_batches: int = 0,
-      ) -> list[list[Hypothesis] | None]:
+      scores: bool = True) -> list[list[Hypothesis] | None]:
     """Translates `sentences` into `n_best` hypotheses each, best first.
 
     Args:
@@ -362,6 +367,10 @@ class Translator:
       concurrent_batches: batches decoded at once, each by a thread of its
         own (the same results, in less time where one batch's small steps
         leave cores idle); 0: `default_concurrent_batches()`.
+      scores: False when only the texts are wanted: greedy search and
+        sampling with n_best 1 then skip the log-probabilities (a log-sum-exp
+        over the vocabulary per step) and give NaN scores; beam search and
+        ranked samples (n_best > 1) need them and compute them anyway.
     Returns:
       Per input, `n_best` Hypothesis(text, score, log_prob, length): `score`
       is what ranks them (beam: log p / lp(length); otherwise log p),
@@ -384,6 +393,7 @@ class Translator:
         [empty] * n_best if not ids and share_index == 0 else None for ids in encoded]
     options = (float(length_penalty), float(temperature), float(top_p), int(min_len))
     switches = (temperature != 1.0, top_p < 1.0) if method == "sample" else (False, False)
+    log_probs = scores or method == "beam" or n_best > 1
     rng = jax.random.key(seed)
     batches = []  # (shape, member indices)
     inputs_per_batch = lambda src_len: max(
@@ -393,7 +403,7 @@ class Translator:
       shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
                beam_size, top_k, early_exit, *switches,
                *((n_best, beam_stop) if method == "beam" else (0, "exact")),
-               self.shrink_batches)
+               self.shrink_batches, log_probs)
       batches.append((shape, members))
     batches = batches[share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
@@ -424,8 +434,10 @@ class Translator:
       tokens = 0
       for k, (i, hyps) in enumerate(zip(members, rows)):
         results[i] = sorted(
-            (Hypothesis(self.tokenizer.decode(ids[k][n]), float(score),
-                        float(score) * float(lps[k, n]), int(lengths[k, n]))
+            (Hypothesis(self.tokenizer.decode(ids[k][n]),
+                        float(score) if log_probs else math.nan,
+                        float(score) * float(lps[k, n]) if log_probs else math.nan,
+                        int(lengths[k, n]))
              for n, (_, score) in enumerate(hyps)), key=lambda h: -h.score)
         tokens += int(lengths[k].sum())
       bar.update(len(members))
