@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import math
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -315,8 +314,8 @@ class Translator:
       best first.
       (None for the inputs of other shares, with `share`.)
     """
-    if n_best == 1:  # (only the text: no scores computed where they can be left out)
-      options.setdefault("scores", False)
+    # Texts only (n_best > 1 pairs them with scores, which it computes anyway).
+    options.setdefault("scores", False)
     results = self.translate_hypotheses(sentences, n_best=n_best, **options)
     if n_best == 1:
       return [None if hyps is None else hyps[0].text for hyps in results]
@@ -424,6 +423,8 @@ class Translator:
       device only if it is not done) and detokenized."""
       (shape, members), seqs, scores = pending
       seqs, scores = np.asarray(seqs), np.asarray(scores)
+      if not log_probs:  # (the decoder left them out: zeros)
+        scores = np.full(scores.shape, np.nan, np.float32)
       rows = unpack_hypotheses(seqs, scores, len(members), copies, n_best)
       ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
@@ -434,10 +435,8 @@ class Translator:
       tokens = 0
       for k, (i, hyps) in enumerate(zip(members, rows)):
         results[i] = sorted(
-            (Hypothesis(self.tokenizer.decode(ids[k][n]),
-                        float(score) if log_probs else math.nan,
-                        float(score) * float(lps[k, n]) if log_probs else math.nan,
-                        int(lengths[k, n]))
+            (Hypothesis(self.tokenizer.decode(ids[k][n]), float(score),
+                        float(score) * float(lps[k, n]), int(lengths[k, n]))
              for n, (_, score) in enumerate(hyps)), key=lambda h: -h.score)
         tokens += int(lengths[k].sum())
       bar.update(len(members))

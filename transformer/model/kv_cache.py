@@ -129,29 +129,34 @@ def write(layer_cache: dict, key: Array, value: Array, index: Array) -> dict:
 def _write_key_position(cache: Array, new: Array, index: Array) -> Array:
   """Writes `new` `[batch * beams, 1, heads, d_k]` at position `index` of
   `cache` `[batch, heads, d_k, beams * max_decode_len]`, beam j at column
-  j * max_decode_len + index (one in-place update per beam, as for values)."""
-  batch, heads, d_k, flat_length = cache.shape
-  beams = new.shape[0] // batch
-  length = flat_length // beams
-  new = new.reshape(batch, beams, heads, d_k).transpose(0, 2, 3, 1).astype(cache.dtype)
-  for j in range(beams):
-    cache = jax.lax.dynamic_update_slice(cache, new[..., j:j + 1], (0, 0, 0, j * length + index))
-  return cache
+  j * max_decode_len + index."""
+  batch, heads, d_k, _ = cache.shape
+  new = new.reshape(batch, -1, heads, d_k).transpose(0, 2, 3, 1)  # [batch, heads, d_k, beams]
+  return _write_each_beam(cache, new, index, axis=3)
 
 
 def _write_value_position(cache: Array, new: Array, index: Array) -> Array:
   """Writes `new` `[batch * beams, 1, heads, d_v]` at position `index` of
-  `cache` `[batch, heads, beams * max_decode_len, d_v]`, beam j at j * max_decode_len + index.
+  `cache` `[batch, heads, beams * max_decode_len, d_v]`, beam j at row
+  j * max_decode_len + index."""
+  batch, heads, _, d_v = cache.shape
+  new = new.reshape(batch, -1, heads, d_v).transpose(0, 2, 1, 3)  # [batch, heads, beams, d_v]
+  return _write_each_beam(cache, new, index, axis=2)
 
-  One in-place update per beam: a single reshaped update would make XLA copy
-  the whole cache for the matmul that reads it."""
-  batch, heads, flat_length, d_v = cache.shape
-  beams = new.shape[0] // batch
-  length = flat_length // beams
-  new = new.reshape(batch, beams, heads, d_v).transpose(0, 2, 1, 3).astype(cache.dtype)
+
+def _write_each_beam(cache: Array, new: Array, index: Array, axis: int) -> Array:
+  """Writes `new` (beams on `axis`) into `cache` (beams * max_decode_len on
+  `axis`, slot-major): beam j at j * max_decode_len + index. One in-place
+  update per beam: a single update of a reshaped view made XLA copy the
+  whole cache at every step for the matmul that reads it."""
+  beams = new.shape[axis]
+  length = cache.shape[axis] // beams
+  new = new.astype(cache.dtype)
   for j in range(beams):
-    cache = jax.lax.dynamic_update_slice(cache, new[:, :, j:j + 1],
-                                         (0, 0, j * length + index, 0))
+    start = [0] * cache.ndim
+    start[axis] = j * length + index
+    cache = jax.lax.dynamic_update_slice(
+        cache, jax.lax.slice_in_dim(new, j, j + 1, axis=axis), start)
   return cache
 
 
