@@ -11,6 +11,9 @@ source padding. On real text, for a trained model.
    shrinking included) and the source tokens the encoder reads, against
    the tokens generated and the source tokens: the share that is work for
    a sentence. Exact arithmetic of `loops._shrinking_loop`'s rule, no timing.
+   Then the same share under continuous batching: with one endless queue
+   (the ceiling) and as it was built and measured (`pool_row_steps`: queues
+   of one length bucket whose pools drain at their end).
 2. **Timing.** `Translator.translate` of the same lines (every shape
    compiled first, then `--repeats` alternating rounds, medians) as it is:
    `translator.length_batches` (consecutive lengths), early-exit checks
@@ -76,6 +79,34 @@ def continuous_row_steps(steps_needed: list[int], chunk: int) -> int:
   first check after its sentence ends (continuous batching, not built: the
   ceiling it could reach), the last pool's idle rows left out."""
   return sum(-(-n // chunk) * chunk for n in steps_needed)
+
+
+def pool_row_steps(steps_needed: list[int], pool: int, chunk: int, sizes: list[int]) -> int:
+  """Rows x steps of continuous batching as it was built and measured on
+  2026-11-26 (not kept, docs/benchmarks.md "Continuous batching"): `pool`
+  rows decode the queue `steps_needed` in order, a row taking the next input
+  at the first check after its own ends, every `chunk` steps; once the queue
+  is empty the pool drains as a shrinking batch does (`sizes`, from `pool`)."""
+  queue, rows, total = list(steps_needed), [], 0
+
+  def run_chunk(size):
+    nonlocal total
+    total += size * chunk
+    rows[:] = [n - chunk for n in rows]
+
+  def refill():
+    rows[:] = [n for n in rows if n > 0]
+    while queue and len(rows) < pool:
+      rows.append(queue.pop(0))
+
+  refill()
+  while queue:
+    run_chunk(pool)
+    refill()
+  for size, next_size in zip(sizes, sizes[1:] + [0]):
+    while sum(n > 0 for n in rows) > next_size:
+      run_chunk(size)
+  return total
 
 
 def accounting(translator, encoded, generated, batch_sizes, chunks):
@@ -157,8 +188,25 @@ def main(argv=None) -> int:
           f"| {read:.1%} |", flush=True)
   for chunk in (4, 2):
     ceiling = sum(generated) / continuous_row_steps(generated, chunk)
-    print(f"\nContinuous batching (not built), refilling freed rows at checks every {chunk} "
-          f"steps: at most {ceiling:.1%} of the decoder row-steps generate a token.")
+    print(f"\nContinuous batching, refilling freed rows at checks every {chunk} "
+          f"steps: at most {ceiling:.1%} of the decoder row-steps generate a token "
+          "(one endless queue, no pool ever draining).")
+  print("\nContinuous batching as built and measured (not kept): a pool of `batch` rows per "
+        "queue of one length bucket's sentences, checks every 2 steps, draining as a "
+        "shrinking batch")
+  print("| batch | queue | row-steps that generate a token | now |")
+  print("|---|---|---|---|")
+  for batch in batch_sizes:
+    sizes = loops.Shrink(factor=translator_lib.SHRINK_FACTOR,
+                         min_rows=translator_lib.SHRINK_MIN_ROWS).sizes(batch)
+    now = sum(generated) / sum(row_steps([generated[i] for i in members], batch, 2, sizes)
+                               for _, members in make_batches("consecutive", encoded,
+                                                              translator.config.max_len, batch))
+    for queue, label in ((4 * batch, f"{4 * batch} sentences"), (len(lines), "a whole bucket")):
+      queues = per_bucket_batches(encoded, translator.config.max_len, lambda _: queue)
+      run = sum(pool_row_steps([generated[i] for i in members], batch, 2, sizes)
+                for _, members in queues)
+      print(f"| {batch} | {label} | {sum(generated) / run:.1%} | {now:.1%} |", flush=True)
   if not args.repeats:
     return 0
   print(f"\n| method | batch | batching, check every, order | seconds (median of "

@@ -340,3 +340,20 @@ def test_the_continuous_batching_ceiling_rounds_each_sentence_up_to_a_check():
   for chunk in (2, 4):
     assert bench_batching.continuous_row_steps(needed, chunk) <= bench_batching.row_steps(
         needed, 8, chunk, [8, 4, 2])
+
+
+def test_the_built_continuous_batching_drains_its_pool_like_a_shrinking_batch():
+  """bench_batching.pool_row_steps, by hand: 3, 9, 1, 14, 2 steps on a pool
+  of 2 rows, checks every 2 steps. Rows 3 and 9 start; at step 4 the 3 is
+  done and 1 takes its row, at 6 the 1 is done and 14 takes it, at 10 the 9
+  is done and 2 takes it (the queue is empty: 20 row-steps so far); at 12
+  the 2 is done (24), one row left: the pool goes on with 1 row, the 14 ends
+  at step 20 (8 more): 32. Fewer than the one batch of 8 shrinking to 2."""
+  from benchmarks import bench_batching
+  needed = [3, 9, 1, 14, 2]
+  assert bench_batching.pool_row_steps(needed, 2, 2, [2, 1]) == 32
+  # A pool as large as the queue is the shrinking batch itself.
+  assert bench_batching.pool_row_steps(needed, 8, 2, [8, 4, 2]) == bench_batching.row_steps(
+      needed, 8, 2, [8, 4, 2])
+  # Without shrinking, 2 rows until the 14 (started at step 6) ends at step 20.
+  assert bench_batching.pool_row_steps(needed, 2, 2, [2]) == 40
