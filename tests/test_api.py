@@ -16,6 +16,7 @@ example that stops working fails here.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -206,6 +207,19 @@ def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_exa
   assert translator.translate(sentences, method="beam") == before
 
 
+def decoder_option(shape: tuple, name: str):
+  """The value of `Translator._decode_fn`'s argument `name` in a decoder's
+  shape (`Translator._executables`' keys: its arguments in order)."""
+  names = list(inspect.signature(translation.Translator._decode_fn).parameters)[1:]
+  return shape[names.index(name)]
+
+
+def with_option(shape: tuple, name: str, value) -> tuple:
+  """`shape` with `_decode_fn`'s argument `name` set to `value`."""
+  names = list(inspect.signature(translation.Translator._decode_fn).parameters)[1:]
+  return shape[:names.index(name)] + (value,) + shape[names.index(name) + 1:]
+
+
 def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   """`Translator.shrink_batches`: on by default on a CPU, where it pays (off
   on accelerators: class docstring); off, a batch runs all its rows to its
@@ -220,10 +234,39 @@ def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   try:
     whole = translator.translate(sentences, method="greedy", batch_size=32)
     new = set(translator._executables) - compiled
-    assert new and all(shape[-2] is False for shape in new)  # (_decode_fn's `shrink`)
+    assert new and all(decoder_option(shape, "shrink") is False for shape in new)
   finally:
     translator.shrink_batches = True
   assert whole == shrunk
+
+
+def test_packed_sources_translate_the_same_as_padded_ones(run_example):
+  """`Translator.pack_sources` (on by default on a CPU with one device): the
+  encoder reads the sentences packed several to a row; off, each padded to
+  its batch's length, through decoders of their own; greedy, beam and
+  sampled translations (n_best 2: one row per sample) are the same."""
+  translator = run_example(API_EXAMPLE)[0]["translator"]
+  sentences = ["forty-two red apples", "", "one small cat", "seven new cars and one cat",
+               "one cat"] * 3
+  assert translator.pack_sources
+  runs = [("greedy", {}), ("beam", dict(n_best=2)), ("sample", dict(n_best=2, top_k=5, seed=1))]
+  packed = [translator.translate(sentences, method=method, batch_size=8, **options)
+            for method, options in runs]
+  assert all(decoder_option(shape, "packed") for shape in translator._executables)
+  translator.pack_sources = False
+  try:
+    padded = [translator.translate(sentences, method=method, batch_size=8, **options)
+              for method, options in runs]
+    assert any(not decoder_option(shape, "packed") for shape in translator._executables)
+  finally:
+    translator.pack_sources = True
+  for (method, _), got, want in zip(runs, packed, padded):
+    if method == "greedy":
+      assert got == want
+    else:  # (pairs with scores: the same texts, scores up to float rounding)
+      assert [[t for t, _ in hyps] for hyps in got] == [[t for t, _ in hyps] for hyps in want]
+      np.testing.assert_allclose([[s for _, s in hyps] for hyps in got],
+                                 [[s for _, s in hyps] for hyps in want], rtol=1e-4)
 
 
 def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_example):
@@ -246,8 +289,9 @@ def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_
     assert all(math.isnan(h[0].score) and math.isnan(h[0].log_prob) for h in texts)
     assert translator.translate(sentences, method=method, **options) == [
         h[0].text for h in full]
-  pairs = [(shape, shape[:-1] + (True,)) for shape in translator._executables
-           if shape[-1] is False and shape[:-1] + (True,) in translator._executables]
+  pairs = [(shape, with_option(shape, "log_probs", True)) for shape in translator._executables
+           if decoder_option(shape, "log_probs") is False
+           and with_option(shape, "log_probs", True) in translator._executables]
   assert {shape[0] for shape, _ in pairs} == {"greedy", "sample"}
   assert all(0 < exponentials(without) < exponentials(with_) for without, with_ in pairs)
   ranked = translator.translate_hypotheses(sentences, method="sample", n_best=2, top_k=5,
