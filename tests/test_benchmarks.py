@@ -357,3 +357,15 @@ def test_the_built_continuous_batching_drains_its_pool_like_a_shrinking_batch():
       needed, 8, 2, [8, 4, 2])
   # Without shrinking, 2 rows until the 14 (started at step 6) ends at step 20.
   assert bench_batching.pool_row_steps(needed, 2, 2, [2]) == 40
+
+
+def test_batching_benchmark_counts_the_packed_source_read_in_whole_chunks():
+  """bench_batching.packed_read, by hand: lengths 2, 5, 3, 1, 3, 2 pack into
+  2 rows of 8 (test_source_packing), read as one chunk of 8 rows: 64 tokens;
+  nine sentences of 8 tokens fill 9 rows: two chunks, 128."""
+  from benchmarks import bench_batching
+  from transformer.decoding import source_packing
+  assert source_packing.CHUNK == 8
+  members = [[5] * n for n in (2, 5, 3, 1, 3, 2)]
+  assert bench_batching.packed_read(members, rows=16, length=8) == 64
+  assert bench_batching.packed_read([[5] * 8] * 9, rows=16, length=8) == 128
