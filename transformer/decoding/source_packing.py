@@ -62,17 +62,17 @@ def pack(inputs: Sequence[Sequence[int]], rows: int, length: int) -> PackedSourc
   segments = np.zeros((rows, length), np.int32)
   positions = np.zeros((rows, length), np.int32)
   where = np.zeros((rows, 2), np.int32)
-  used = [0] * rows  # tokens in each packed row
-  count = [0] * rows  # sentences in each packed row
-  filled = 0  # packed rows in use (the first `filled`)
+  used = np.zeros(rows, np.int64)  # tokens in each packed row
+  count = np.zeros(rows, np.int32)  # sentences in each packed row
   for r in sorted(range(len(inputs)), key=lambda r: -len(inputs[r])):
     ids = inputs[r]
     if not ids:
       continue
     if len(ids) > length:
       raise ValueError(f"input {r} has {len(ids)} tokens, more than the rows' {length}")
-    row = next((p for p in range(filled) if used[p] + len(ids) <= length), filled)
-    filled = max(filled, row + 1)
+    # The first row with room (rows fill in order, so an empty row comes after
+    # every row in use): one vectorised scan, not a Python loop over the rows.
+    row = int(np.argmax(used + len(ids) <= length))
     start = used[row]
     count[row] += 1
     tokens[row, start:start + len(ids)] = ids
