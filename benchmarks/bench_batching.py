@@ -11,7 +11,8 @@ source padding. On real text, for a trained model.
    shrinking included) and the source tokens the encoder reads, against
    the tokens generated and the source tokens: the share that is work for
    a sentence (the source read padded, and packed: `source_packing`, what a
-   CPU with one device does now). Exact arithmetic of `loops._shrinking_loop`'s rule, no timing.
+   CPU with one device does now). Exact arithmetic of
+   `loops._shrinking_loop`'s rule, no timing.
    Then the same share under continuous batching: with one endless queue
    (the ceiling) and as it was built and measured (`pool_row_steps`: queues
    of one length bucket whose pools drain at their end).
@@ -195,8 +196,10 @@ def main(argv=None) -> int:
         "| decoder row-steps that generate a token | source tokens read that are not padding "
         "| the same, sources packed |")
   print("|---|---|---|---|---|---|---|---|")
+  now = {}  # (batch, batching, check every) -> decoder row-steps that generate a token
   for batch, batching, chunk, count, filled, steps, read, packed in accounting(
       translator, encoded, generated, batch_sizes, (8, 4, 2)):
+    now[batch, batching, chunk] = steps
     print(f"| {batch} | {batching} | {chunk} steps | {count} | {filled:.1%} | {steps:.1%} "
           f"| {read:.1%} | {packed:.1%} |", flush=True)
   for chunk in (4, 2):
@@ -210,16 +213,13 @@ def main(argv=None) -> int:
   print("| batch | queue | row-steps that generate a token | now |")
   print("|---|---|---|---|")
   for batch in batch_sizes:
-    sizes = loops.Shrink(factor=translator_lib.SHRINK_FACTOR,
-                         min_rows=translator_lib.SHRINK_MIN_ROWS).sizes(batch)
-    now = sum(generated) / sum(row_steps([generated[i] for i in members], batch, 2, sizes)
-                               for _, members in make_batches("consecutive", encoded,
-                                                              translator.config.max_len, batch))
+    sizes = translator._shrink(True).sizes(batch)  # (the pool drains as a batch shrinks)
     for queue, label in ((4 * batch, f"{4 * batch} sentences"), (len(lines), "a whole bucket")):
       queues = per_bucket_batches(encoded, translator.config.max_len, lambda _: queue)
       run = sum(pool_row_steps([generated[i] for i in members], batch, 2, sizes)
                 for _, members in queues)
-      print(f"| {batch} | {label} | {sum(generated) / run:.1%} | {now:.1%} |", flush=True)
+      print(f"| {batch} | {label} | {sum(generated) / run:.1%} "
+            f"| {now[batch, 'consecutive', 2]:.1%} |", flush=True)
   if not args.repeats:
     return 0
   print(f"\n| method | batch | batching, check every, order | seconds (median of "

@@ -426,13 +426,14 @@ class Translator:
     def batch_inputs(shape, members) -> tuple:
       """The decoder's arguments after the parameters for one batch."""
       rows = shape[1]
-      inputs = pack_batch([encoded[i] for i in members], rows, shape[2], copies)
+      sources = [encoded[i] for i in members]
+      inputs = pack_batch(sources, rows, shape[2], copies)
       row_lines = np.zeros(rows, np.int32)
       row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
       row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
-      packing = (tuple(source_packing.pack([encoded[i] for i in members for _ in range(copies)],
+      packing = (tuple(source_packing.pack([ids for ids in sources for _ in range(copies)],
                                            rows, shape[2]))
-                 if shape[-1] else ())  # (`pack_sources`)
+                 if shape[-1] else ())  # (`_decode_fn`'s last option: `packed`)
       return inputs, rng, row_lines, row_copies, *options, packing
 
     def finish(pending) -> int:
