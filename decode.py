@@ -47,7 +47,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 from transformer.data import text_io
-from transformer.decoding import loader, output, streaming
+from transformer.decoding import loader, output, serving_params, streaming
 from transformer.decoding import options as decoding_options
 from transformer.runtime import errors
 from transformer.runtime import workdir as workdir_lib
@@ -180,13 +180,15 @@ def check_flags() -> None:
     raise UsageError(flag_error(e)) from None
 
 
-def check_workdir(workdir: str, which: str) -> str | int:
-  """The checkpoint --checkpoint names ("averaged" or a step), once the workdir
-  is known to hold what decoding needs. Nothing is loaded: this runs before
-  the input is read. WorkdirError names what is missing and what to do."""
+def check_workdir(workdir: str, which: str) -> tuple[str | int, str | None]:
+  """The checkpoint --checkpoint names ("averaged" or a step) and, for "auto",
+  the note that the average is stale (or None), once the workdir is known to
+  hold what decoding needs (from the record of an earlier decode while the
+  checkpoints are unchanged: serving_params.py). Nothing is loaded: this runs
+  before the input is read. WorkdirError names what is missing and what to do."""
   try:
     workdir_lib.check_files(workdir)
-    return workdir_lib.resolve_checkpoint(workdir, which)
+    return serving_params.resolve(workdir, which)
   except workdir_lib.CheckpointNotFound as e:
     raise WorkdirError(flag_error(e)) from None
   except FileNotFoundError as e:
@@ -229,8 +231,8 @@ def run() -> None:
   input_path, output_path = (None if flag.value in (None, "-") else flag.value
                              for flag in (_INPUT, _OUTPUT))  # None: stdin, stdout
   plot_dir = _PLOT_ATTENTION.value
-  which = check_workdir(workdir, _CHECKPOINT.value)
-  if _CHECKPOINT.value == "auto" and (note := workdir_lib.stale_average_note(workdir)):
+  which, note = check_workdir(workdir, _CHECKPOINT.value)
+  if note:
     print(note, file=sys.stderr)
   check_outputs(output_path, plot_dir)
   if input_path is None and jax.process_count() > 1:

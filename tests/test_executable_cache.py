@@ -163,7 +163,8 @@ def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
   """In processes of their own (this one has imported flax already): the
   first load of a Translator traces the model (flax imported), the second
   finds the parameters' shapes, the output projection's program and the
-  decoder on disk, so it never imports flax, and translates the same."""
+  decoder on disk, so it never imports flax (nor orbax: the parameters come
+  from their serving copy), and translates the same."""
   script = "\n".join([
       "import sys",
       "from transformer.runtime import compile_cache",
@@ -171,7 +172,8 @@ def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
       "from transformer.decoding import loader",
       f"translator = loader.load_translator({str(FIXTURE_WORKDIR)!r})",
       "print(translator.translate(['one red cat'], method='greedy')[0])",
-      "print(translator.last_stats['decoders_loaded'], 'flax' in sys.modules)",
+      "print(translator.last_stats['decoders_loaded'], 'flax' in sys.modules,",
+      "      'orbax.checkpoint' in sys.modules)",
   ])
   runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300) for _ in range(2)]
@@ -179,8 +181,10 @@ def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
   (first_text, first_state), (second_text, second_state) = (
       run.stdout.strip().splitlines()[-2:] for run in runs)
-  assert first_state == "0 True"  # traced: nothing on disk yet
-  assert second_state == "1 False"  # its one decoder loaded, flax never imported
+  assert first_state == "0 True True"  # traced and restored: nothing on disk yet
+  # Its one decoder loaded, flax never imported, nor orbax (the parameters
+  # read from their serving copy: serving_params.py).
+  assert second_state == "1 False False"
   assert second_text == first_text
   assert sorted(p.suffix for p in (tmp_path / "cache" / "decoders").iterdir()) == [
       ".bin", ".logits_kernel", ".shapes"]

@@ -1,5 +1,7 @@
 """The one loader: a Translator from a workdir written by train.py (the model
-config, the vocabulary and the checkpoint chosen by `workdir.resolve_checkpoint`)."""
+config, the vocabulary and the checkpoint chosen by `workdir.resolve_checkpoint`,
+restored with orbax, or read from the serving copy an earlier load kept while
+the checkpoints are unchanged: `serving_params.py`)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,10 @@ from jax.sharding import Mesh
 
 from transformer import model
 from transformer.data.tokenizer import load_tokenizer
-from transformer.decoding import executable_cache
+from transformer.decoding import executable_cache, serving_params
 from transformer.decoding.translator import Translator
-from transformer.runtime import averaging, multihost, parallel
-from transformer.runtime.workdir import (check_files, load_model_config, resolve_checkpoint,
-                                         stale_average_note, vocab_path)
+from transformer.runtime import multihost, parallel
+from transformer.runtime.workdir import check_files, load_model_config, vocab_path
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +42,10 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     a `checkpoint` that is no choice).
   """
   check_files(workdir)
-  which = resolve_checkpoint(workdir, checkpoint)
   workdir = str(multihost.resolve(workdir))  # orbax restores only from absolute paths
+  which, note = serving_params.resolve(workdir, checkpoint)
+  if note:
+    logger.warning("%s", note)
   model_config = load_model_config(workdir)
   tokenizer = load_tokenizer(vocab_path(workdir))
   # The parameters' shapes, traced from the model once and then kept with the
@@ -56,14 +59,21 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=sharding),
                           target, parallel.state_shardings(target, mesh, "fsdp"))
-  if note := (checkpoint == "auto" and stale_average_note(workdir)):
-    logger.warning("%s", note)
+    params, info = _restore(workdir, which, target)
+  else:  # (a copy kept by the last load, while the checkpoints are unchanged)
+    params, info = serving_params.load(workdir, which, target,
+                                       lambda: _restore(workdir, which, target))
+  translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding)
+  return (translator, info) if with_info else translator
+
+
+def _restore(workdir: str, which: str | int, target) -> tuple[dict, dict]:
+  """(params, info): checkpoint `which` ("averaged" or a step) of `workdir`,
+  restored with orbax into `target`."""
+  from transformer.runtime import averaging  # (orbax, 0.2 s: not for a serving copy)
   try:
-    params, info = averaging.load_params(workdir, target, which=which, with_info=True)
+    return averaging.load_params(workdir, target, which=which, with_info=True)
   except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
     raise FileNotFoundError(f"cannot load the parameters: {e}") from e
   except ValueError as e:
     raise ValueError(f"cannot load the parameters: {e}") from e
-  translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding)
-  return (translator, info) if with_info else translator
-

@@ -65,6 +65,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from transformer.runtime import multihost
+from transformer.runtime import checkpoint_names
 from transformer.runtime.orbax_items import (ProcessJsonCheckpointHandler, ProcessJsonRestore,
                                              ProcessJsonSave, abstract_target,
                                              keep_common_steps, leaf_name, manager_options,
@@ -75,8 +76,8 @@ from transformer.runtime.disk_space import (SPACE_MARGIN, DiskFullError, disk_by
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_DIR = "checkpoints"
-AVERAGED_DIR = "checkpoints_averaged"
+CHECKPOINT_DIR = checkpoint_names.CHECKPOINT_DIR
+AVERAGED_DIR = checkpoint_names.AVERAGED_DIR
 STATE_ITEM = "state"
 DATA_ITEM = "data_state"
 META_ITEM = "meta"

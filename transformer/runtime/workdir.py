@@ -55,7 +55,6 @@ import os
 from etils import epath
 
 from transformer.model.config import TransformerConfig
-from transformer.runtime import averaging, checkpoints
 from transformer.runtime import multihost
 from transformer.runtime.errors import OptionError
 
@@ -271,6 +270,8 @@ def stale_average_note(workdir: str) -> str | None:
   """One line when the workdir's averaged checkpoint is older than its latest
   step (a finished run resumed to train further, then stopped before its new
   average): "auto" then takes the latest step. None otherwise."""
+  # (imports orbax, 0.2 s: only a start that lists the checkpoints pays for it)
+  from transformer.runtime import averaging, checkpoints
   averaged = checkpoints.checkpoint_steps(workdir, checkpoints.AVERAGED_DIR)
   steps = checkpoints.checkpoint_steps(workdir)
   if not averaged or not steps:
@@ -297,6 +298,7 @@ def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
     CheckpointNotFound: the averaged checkpoint or that step is not there.
     FileNotFoundError: there is no checkpoint at all.
   """
+  from transformer.runtime import checkpoints  # (orbax: see stale_average_note)
   which = checkpoint_choice(which)
   ckpt_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
   averaged_dir = os.path.join(workdir, checkpoints.AVERAGED_DIR)

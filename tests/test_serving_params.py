@@ -1,0 +1,169 @@
+"""The serving copy (transformer/decoding/serving_params.py): a second load of a
+workdir reads the parameters and the checkpoint choice an earlier load kept,
+exactly what orbax restores, without orbax; any change to the checkpoints
+(a new average, a touched file) sends the load back to orbax."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache as cc
+
+from helpers import CACHE_SETTINGS
+from transformer.decoding import executable_cache, loader, serving_params
+from transformer.model import init_params
+from transformer.runtime import averaging, workdir as workdir_lib
+
+FIXTURE_WORKDIR = Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb"
+
+
+@pytest.fixture
+def cache(tmp_path):
+  """A compilation cache of this test's own; restored after."""
+  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
+  old = {name: getattr(jax.config, name) for name in names}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+  cc.reset_cache()
+  yield tmp_path / "cache" / serving_params.SUBDIRECTORY
+  for name, value in old.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+
+
+@pytest.fixture
+def workdir(tmp_path):
+  """A copy of the fixture workdir (its checkpoints are changed here)."""
+  path = tmp_path / "run"
+  shutil.copytree(FIXTURE_WORKDIR, path)
+  return str(path)
+
+
+@pytest.fixture
+def restores(monkeypatch):
+  """The list of checkpoints restored with orbax (`averaging.load_params`)."""
+  calls = []
+  original = averaging.load_params
+
+  def counted(workdir, target, which="auto", **kwargs):
+    calls.append(which)
+    return original(workdir, target, which=which, **kwargs)
+  monkeypatch.setattr(averaging, "load_params", counted)
+  return calls
+
+
+def orbax_params(workdir):
+  """The averaged parameters as orbax restores them, as numpy arrays."""
+  config = workdir_lib.load_model_config(workdir)
+  target = jax.eval_shape(lambda rng: init_params(config, rng), jax.random.key(0))
+  return jax.tree.map(np.asarray, averaging.load_params(workdir, target, which="averaged"))
+
+
+def assert_same_arrays(got, expected):
+  assert jax.tree.structure(got) == jax.tree.structure(expected)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_second_load_reads_the_copy_not_orbax(cache, workdir, restores):
+  expected = orbax_params(workdir)
+  restores.clear()
+  first, first_info = loader.load_translator(workdir, with_info=True)
+  assert restores == ["averaged"]
+  assert sorted(p.suffix for p in cache.iterdir()) == [".json", ".npz"]
+  second, second_info = loader.load_translator(workdir, with_info=True)
+  assert restores == ["averaged"]  # no second restore
+  assert second_info == first_info == {"kind": "averaged", "step": 600,
+                                       "path": os.path.join(workdir, "checkpoints_averaged",
+                                                            "600"),
+                                       "averaged_steps": first_info["averaged_steps"]}
+  assert_same_arrays(first.params, expected)
+  assert_same_arrays(second.params, expected)
+  assert second.translate(["one red cat"]) == first.translate(["one red cat"])
+
+
+def test_a_new_average_is_restored_with_orbax(cache, workdir, restores):
+  loader.load_translator(workdir)
+  doubled = jax.tree.map(lambda x: 2 * x, orbax_params(workdir))
+  averaging.save_averaged(workdir, doubled, steps=[650, 700])  # replaces step 600's
+  restores.clear()
+  assert serving_params.resolve(workdir, "auto") == ("averaged", None)
+  translator, info = loader.load_translator(workdir, with_info=True)
+  assert restores == ["averaged"] and info["step"] == 700
+  assert_same_arrays(translator.params, doubled)
+  translator = loader.load_translator(workdir)  # and kept for the next load
+  assert restores == ["averaged"]
+  assert_same_arrays(translator.params, doubled)
+
+
+def test_any_touched_checkpoint_file_sends_the_load_back_to_orbax(cache, workdir, restores):
+  loader.load_translator(workdir)
+  params_dir = Path(workdir) / "checkpoints_averaged" / "600" / "params"
+  some_file = next(p for p in sorted(params_dir.rglob("*")) if p.is_file())
+  stat = some_file.stat()
+  os.utime(some_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # same size, newer
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"]
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"]
+
+
+def test_the_recorded_choice_follows_the_checkpoints(cache, workdir):
+  with pytest.raises(FileNotFoundError, match="no checkpoint in"):  # no training steps
+    serving_params.resolve(workdir, "latest")
+  assert serving_params.resolve(workdir, "auto") == ("averaged", None)
+  shutil.rmtree(Path(workdir) / "checkpoints_averaged")
+  with pytest.raises(workdir_lib.CheckpointNotFound):
+    serving_params.resolve(workdir, "averaged")
+  with pytest.raises(FileNotFoundError, match="no checkpoint in"):  # not the record's answer
+    serving_params.resolve(workdir, "auto")
+
+
+def test_a_file_that_does_not_read_is_restored_and_written_again(cache, workdir, restores,
+                                                                 caplog):
+  expected = orbax_params(workdir)
+  restores.clear()
+  loader.load_translator(workdir)
+  copy = next(cache.glob("*.npz"))
+  copy.write_bytes(copy.read_bytes()[:1000])
+  with caplog.at_level(logging.WARNING):
+    translator = loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"] and "did not load" in caplog.text
+  assert_same_arrays(translator.params, expected)
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"]  # the copy written again
+
+
+def test_bfloat16_and_other_dtypes_come_back_as_they_went(cache, tmp_path):
+  workdir = str(tmp_path / "any")
+  os.makedirs(os.path.join(workdir, "checkpoints_averaged", "1"))
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(3, 5)).astype(ml_dtypes.bfloat16),
+            "b": np.arange(4, dtype=np.int32), "s": np.float32(1.5)}
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+  made = []
+
+  def restore():
+    made.append(1)
+    return params, {"kind": "averaged"}
+  serving_params.load(workdir, "averaged", target, restore)
+  got, info = serving_params.load(workdir, "averaged", target, restore)
+  assert made == [1] and info == {"kind": "averaged"}
+  assert_same_arrays(got, jax.tree.map(np.asarray, params))
+  other = dict(target, b=jax.ShapeDtypeStruct((5,), np.int32))  # another model: not this copy
+  serving_params.load(workdir, "averaged", other, restore)
+  assert made == [1, 1]
+
+
+def test_off_with_the_compilation_cache(workdir, restores):
+  assert executable_cache.directory() is None  # (tests run with the cache off)
+  loader.load_translator(workdir)
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"]

@@ -1,0 +1,184 @@
+"""What a decode listed and restored, kept for the next decode of the same
+workdir: a start that finds it neither lists nor restores the checkpoints
+with orbax, nor imports orbax at all.
+
+Why: a warm `decode.py` of 1,000 lines (the small-corpus model, 2-core CPU,
+2026-11-26) spent 0.19 s importing orbax and 0.19-0.20 s restoring the
+averaged parameters with it, a third of its start; reading this copy back
+takes a few hundredths of a second.
+
+What is kept, in `<compilation cache>/serving_params/`, one pair of files per
+workdir (the older pair replaced, so never more than one copy of a model):
+  * `<name>.json`: which checkpoint each choice seen ("auto", "averaged",
+    "latest", a step) named (`resolve`: `workdir.resolve_checkpoint` and the
+    stale-average note);
+  * `<name>.npz`: the parameters last restored, the checkpoint they came
+    from and the load's info (`load`).
+Both under the fingerprint of the workdir's checkpoint directories when they
+were made: every file and directory under `checkpoints/` and
+`checkpoints_averaged/`, with its size and modification time. Orbax's listing
+and restore read nothing else (step directories, their commit files, the
+arrays), so while the fingerprint is unchanged what is kept is exactly what
+they would give. A new step, a new average, a save in progress, a removed or
+rewritten file: each changes it, and that decode lists and restores with
+orbax and keeps the result anew.
+
+Off with the compilation cache (`--compilation_cache=off`), and where it could
+not stand for orbax: a workdir that is not a local path (listing gs://...
+costs more than it saves), several processes, and parameters sharded over
+the devices (FSDP: each device restores its own slices; the loader's choice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from transformer.runtime import checkpoint_names, multihost
+
+logger = logging.getLogger(__name__)
+
+SUBDIRECTORY = "serving_params"
+FORMAT = 1  # bump when what a file holds changes
+_META = "__meta__"  # the npz entry that holds the JSON description
+
+
+def directory() -> Path | None:
+  """`serving_params/` in the compilation cache's directory, or None when that
+  cache is off."""
+  base = jax.config.jax_compilation_cache_dir
+  return Path(base) / SUBDIRECTORY if base else None
+
+
+def applies(workdir: str) -> bool:
+  """Whether a copy can stand for the listing and restore (module docstring;
+  the loader leaves FSDP-sharded parameters to orbax)."""
+  return (directory() is not None and multihost.is_local(os.fspath(workdir))
+          and jax.process_count() == 1)
+
+
+def fingerprint(workdir: str) -> str:
+  """SHA-256 of every entry under the workdir's checkpoint directories: its
+  path, whether it is a directory, its size and modification time (ns)."""
+  digest = hashlib.sha256()
+  for name in (checkpoint_names.CHECKPOINT_DIR, checkpoint_names.AVERAGED_DIR):
+    top = os.path.join(os.path.abspath(workdir), name)
+    for root, dirs, files in os.walk(top):
+      dirs.sort()
+      for entry in [root, *(os.path.join(root, f) for f in sorted(files))]:
+        try:
+          stat = os.stat(entry)
+        except OSError:  # (removed while we walked: the copy would be stale)
+          digest.update(f"gone {entry}\n".encode())
+          continue
+        digest.update(f"{os.path.relpath(entry, workdir)} {entry == root} "
+                      f"{stat.st_size} {stat.st_mtime_ns}\n".encode())
+  return digest.hexdigest()
+
+
+def _path(workdir: str, suffix: str) -> Path:
+  name = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:32]
+  return directory() / f"{name}{suffix}"
+
+
+def resolve(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]:
+  """(`workdir.resolve_checkpoint`'s answer, `workdir.stale_average_note`'s
+  for "auto", else None): as recorded when the checkpoint directories last
+  had their present fingerprint, else listed with orbax (and recorded).
+  Raises what `resolve_checkpoint` raises."""
+  from transformer.runtime import workdir as workdir_lib
+  checkpoint = workdir_lib.checkpoint_choice(checkpoint)
+  if not applies(workdir):
+    return _list(workdir, checkpoint)
+  path, now = _path(workdir, ".json"), fingerprint(workdir)
+  try:
+    record = json.loads(path.read_text())
+    if record["format"] != FORMAT or record["fingerprint"] != now:
+      record = None
+  except (OSError, ValueError, KeyError, TypeError):
+    record = None
+  record = record or {"format": FORMAT, "fingerprint": now, "resolved": {}}
+  if str(checkpoint) in record["resolved"]:
+    which, note = record["resolved"][str(checkpoint)]
+    return which, note
+  which, note = _list(workdir, checkpoint)
+  record["resolved"][str(checkpoint)] = [which, note]
+  _write(path, lambda f: f.write(json.dumps(record).encode()))
+  return which, note
+
+
+def _list(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]:
+  """`resolve`, with orbax."""
+  from transformer.runtime import workdir as workdir_lib
+  which = workdir_lib.resolve_checkpoint(workdir, checkpoint)
+  return which, (checkpoint == "auto" and workdir_lib.stale_average_note(workdir)) or None
+
+
+def _describe(tree: Any) -> dict:
+  """The structure, shapes and dtypes of a pytree (`target`'s or a copy's)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return {"tree": str(treedef),
+          "leaves": [[list(x.shape), np.dtype(x.dtype).name] for x in leaves]}
+
+
+def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tuple[Any, dict]]
+         ) -> tuple[Any, dict]:
+  """(params, info): `restore()`'s (params restored with orbax from `workdir`'s
+  checkpoint `which`, "averaged" or a step, into `target`, and the load's
+  info), or the same as numpy arrays read from the copy kept when the
+  checkpoint directories last had their present fingerprint. A restore
+  leaves a copy for the next load; a file that does not read is restored
+  and written anew."""
+  if not applies(workdir):
+    return restore()
+  path, now = _path(workdir, ".npz"), fingerprint(workdir)  # (before a restore: see below)
+  if path.exists():
+    try:
+      with np.load(path, allow_pickle=False) as stored:
+        meta = json.loads(str(stored[_META]))
+        if (meta["format"] == FORMAT and meta["fingerprint"] == now
+            and meta["which"] == which and meta["shapes"] == _describe(target)):
+          # Stored as bytes: np.save writes bfloat16 as an opaque void type.
+          leaves = [stored[f"leaf_{i}"].view(np.dtype(dtype)).reshape(shape)
+                    for i, (shape, dtype) in enumerate(meta["shapes"]["leaves"])]
+          return jax.tree.unflatten(jax.tree.structure(target), leaves), meta["info"]
+    except Exception as e:  # (a truncated or foreign file: restore and write it again)
+      logger.warning("Serving copy %s did not load (%s: %s); restoring the checkpoint.",
+                     path, type(e).__name__, e)
+  params, info = restore()
+  # Kept under the fingerprint taken before the restore: a checkpoint written
+  # meanwhile makes the copy stale (restored again next time), never wrong.
+  meta = {"format": FORMAT, "fingerprint": now, "which": which, "workdir": str(workdir),
+          "shapes": _describe(params), "info": info}
+  arrays = {f"leaf_{i}": np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+            for i, x in enumerate(jax.tree.leaves(params))}
+  _write(path, lambda f: np.savez(f, **{_META: np.array(json.dumps(meta))}, **arrays))
+  return params, info
+
+
+def _write(path: Path, write: Callable[[Any], None]) -> None:
+  """`write(file)` into a temporary file renamed to `path` (a reader never sees
+  half a file); a disk that refuses it is noted and skipped."""
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    try:
+      with os.fdopen(fd, "wb") as f:
+        write(f)
+      os.chmod(tmp, 0o644)
+      os.replace(tmp, path)
+    finally:
+      if os.path.exists(tmp):
+        os.unlink(tmp)
+  except OSError as e:
+    logger.warning("Could not keep the serving copy %s (%s: %s).", path,
+                   type(e).__name__, e)
