@@ -326,6 +326,9 @@ def main_then_exit(argv) -> int:
 
 
 if __name__ == "__main__":
-  from transformer.runtime import host_memory
-  host_memory.keep_freed_memory()  # before any computation: see host_memory.py
+  # No `host_memory.keep_freed_memory()` here (train.py's): its one malloc heap
+  # made the threads that load the compiled decoders side by side and decode
+  # wait on its lock (a warm decode of 1,000 lines 3.4-3.7 s without it,
+  # 4.0-4.4 s with it, 2-core CPU), and what it saves, faulting a call's
+  # temporaries in afresh, costs a decode once per batch, not once per step.
   app.run(main_then_exit)

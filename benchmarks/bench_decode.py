@@ -208,6 +208,5 @@ def main():
 
 
 if __name__ == "__main__":
-  from transformer.runtime import host_memory
-  host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
+  # (glibc's defaults, as decode.py keeps them: no `keep_freed_memory`)
   main()

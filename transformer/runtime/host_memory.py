@@ -10,10 +10,12 @@ and 0.5 s of system time per base-model step, 10-15% of the step.
 no `mmap`) and never trim it, so the next call reuses pages already mapped.
 The price: the process keeps its peak memory until it exits.
 
-Call it before JAX's first computation (`train.py` and `decode.py` do so
-first thing): a thread's arena is chosen at its first allocation, and XLA's
-worker threads start with the backend. Set TRANSFORMER_KEEP_FREED_MEMORY=0 in
-the environment to leave glibc's defaults alone.
+Call it before JAX's first computation (`train.py` does so first thing): a
+thread's arena is chosen at its first allocation, and XLA's worker threads
+start with the backend. Set TRANSFORMER_KEEP_FREED_MEMORY=0 in the
+environment to leave glibc's defaults alone. (`decode.py` leaves them alone:
+its threads waited on the one heap's lock, and a decode call is a whole
+batch, so its temporaries are faulted in once per batch, not per step.)
 """
 
 from __future__ import annotations
