@@ -5,6 +5,7 @@ exactly what orbax restores, without orbax; any change to the checkpoints
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -167,3 +168,19 @@ def test_off_with_the_compilation_cache(workdir, restores):
   loader.load_translator(workdir)
   loader.load_translator(workdir)
   assert restores == ["averaged", "averaged"]
+
+
+def test_the_copies_of_removed_workdirs_are_removed(cache, workdir, tmp_path):
+  other = str(tmp_path / "other")
+  shutil.copytree(workdir, other)
+  loader.load_translator(workdir)
+  loader.load_translator(other)
+  assert len(list(cache.glob("*.npz"))) == len(list(cache.glob("*.json"))) == 2
+  shutil.rmtree(other)
+  loader.load_translator(workdir)  # nothing written: the copies stay
+  assert len(list(cache.glob("*.npz"))) == 2
+  os.utime(Path(workdir) / "checkpoints_averaged" / "600" / "commit_success.txt")
+  loader.load_translator(workdir)  # restored and written anew: the other's pair goes
+  assert [p.suffix for p in sorted(cache.iterdir())] == [".json", ".npz"]
+  kept = json.loads(next(cache.glob("*.json")).read_text())
+  assert kept["workdir"] == workdir

@@ -8,7 +8,9 @@ averaged parameters with it, a third of its start; reading this copy back
 takes a few hundredths of a second.
 
 What is kept, in `<compilation cache>/serving_params/`, one pair of files per
-workdir (the older pair replaced, so never more than one copy of a model):
+workdir (the older pair replaced, so never more than one copy of a model;
+the pairs of workdirs that no longer exist are removed whenever a copy is
+written):
   * `<name>.json`: which checkpoint each choice seen ("auto", "averaged",
     "latest", a step) named (`resolve`: `workdir.resolve_checkpoint` and the
     stale-average note);
@@ -106,7 +108,8 @@ def resolve(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]
       record = None
   except (OSError, ValueError, KeyError, TypeError):
     record = None
-  record = record or {"format": FORMAT, "fingerprint": now, "resolved": {}}
+  record = record or {"format": FORMAT, "fingerprint": now, "workdir": os.path.abspath(workdir),
+                      "resolved": {}}
   if str(checkpoint) in record["resolved"]:
     which, note = record["resolved"][str(checkpoint)]
     return which, note
@@ -162,7 +165,21 @@ def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tupl
   arrays = {f"leaf_{i}": np.ascontiguousarray(x).reshape(-1).view(np.uint8)
             for i, x in enumerate(jax.tree.leaves(params))}
   _write(path, lambda f: np.savez(f, **{_META: np.array(json.dumps(meta))}, **arrays))
+  _forget_removed_workdirs()
   return params, info
+
+
+def _forget_removed_workdirs() -> None:
+  """Removes the files kept for workdirs that no longer exist (a model's
+  copy is as large as the model; a deleted run should not leave one)."""
+  for record_path in directory().glob("*.json"):
+    try:
+      gone = not os.path.isdir(json.loads(record_path.read_text())["workdir"])
+    except (OSError, ValueError, KeyError, TypeError):  # (unreadable: made anew when used)
+      gone = True
+    if gone:
+      for path in (record_path, record_path.with_suffix(".npz")):
+        path.unlink(missing_ok=True)
 
 
 def _write(path: Path, write: Callable[[Any], None]) -> None:
