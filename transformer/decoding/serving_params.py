@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from transformer.runtime import checkpoint_names, multihost
+from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,6 @@ def resolve(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]
   for "auto", else None): as recorded when the checkpoint directories last
   had their present fingerprint, else listed with orbax (and recorded).
   Raises what `resolve_checkpoint` raises."""
-  from transformer.runtime import workdir as workdir_lib
   checkpoint = workdir_lib.checkpoint_choice(checkpoint)
   if not applies(workdir):
     return _list(workdir, checkpoint)
@@ -121,7 +121,6 @@ def resolve(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]
 
 def _list(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]:
   """`resolve`, with orbax."""
-  from transformer.runtime import workdir as workdir_lib
   which = workdir_lib.resolve_checkpoint(workdir, checkpoint)
   return which, (checkpoint == "auto" and workdir_lib.stale_average_note(workdir)) or None
 
