@@ -5,6 +5,7 @@ exactly what orbax restores, without orbax; any change to the checkpoints
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from transformer.model import init_params
 from transformer.runtime import averaging, workdir as workdir_lib
 
 FIXTURE_WORKDIR = Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb"
+DiskUsage = collections.namedtuple("DiskUsage", "total used free")  # shutil.disk_usage's
 
 
 @pytest.fixture
@@ -184,3 +186,20 @@ def test_the_copies_of_removed_workdirs_are_removed(cache, workdir, tmp_path):
   assert [p.suffix for p in sorted(cache.iterdir())] == [".json", ".npz"]
   kept = json.loads(next(cache.glob("*.json")).read_text())
   assert kept["workdir"] == workdir
+
+
+def test_no_copy_that_would_nearly_fill_the_disk(cache, workdir, restores, monkeypatch):
+  total = 100 << 30
+  size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(orbax_params(workdir)))
+  restores.clear()
+  # Free space that the copy would bring just under a tenth of the disk.
+  free = int(total * serving_params.KEEP_FREE) + size - 1
+  monkeypatch.setattr(serving_params.shutil, "disk_usage",
+                      lambda path: DiskUsage(total, total - free, free))
+  loader.load_translator(workdir)
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"] and not list(cache.glob("*.npz"))
+  free += 1  # exactly a tenth left: kept
+  loader.load_translator(workdir)
+  loader.load_translator(workdir)
+  assert restores == ["averaged"] * 3 and len(list(cache.glob("*.npz"))) == 1

@@ -25,6 +25,9 @@ they would give. A new step, a new average, a save in progress, a removed or
 rewritten file: each changes it, and that decode lists and restores with
 orbax and keeps the result anew.
 
+No copy is written where it would leave less than a tenth of the disk (or
+1 GiB) free: the same disk may hold a training run's next checkpoint.
+
 Off with the compilation cache (`--compilation_cache=off`), and where it could
 not stand for orbax: a workdir that is not a local path (listing gs://...
 costs more than it saves), several processes, and parameters sharded over
@@ -37,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 SUBDIRECTORY = "serving_params"
 FORMAT = 1  # bump when what a file holds changes
+KEEP_FREE = 0.1  # the share of the cache's disk a copy must leave free
 _META = "__meta__"  # the npz entry that holds the JSON description
 
 
@@ -157,6 +162,8 @@ def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tupl
       logger.warning("Serving copy %s did not load (%s: %s); restoring the checkpoint.",
                      path, type(e).__name__, e)
   params, info = restore()
+  if not _room_for(sum(x.nbytes for x in jax.tree.leaves(params))):
+    return params, info
   # Kept under the fingerprint taken before the restore: a checkpoint written
   # meanwhile makes the copy stale (restored again next time), never wrong.
   meta = {"format": FORMAT, "fingerprint": now, "which": which, "workdir": str(workdir),
@@ -166,6 +173,23 @@ def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tupl
   _write(path, lambda f: np.savez(f, **{_META: np.array(json.dumps(meta))}, **arrays))
   _forget_removed_workdirs()
   return params, info
+
+
+def _room_for(size: int) -> bool:
+  """Whether a copy of `size` bytes leaves the disk of the cache at least
+  KEEP_FREE of its space (and 1 GiB) free: a copy is a convenience, and the
+  same disk may hold a training run's next checkpoint. Says so when not."""
+  where = directory()
+  try:
+    where.mkdir(parents=True, exist_ok=True)
+    usage = shutil.disk_usage(where)
+  except OSError:
+    return False
+  if usage.free - size >= max(KEEP_FREE * usage.total, 1 << 30):
+    return True
+  logger.info("No serving copy of the parameters kept: %.1f GB would leave %.1f GB free "
+              "on the disk of %s.", size / 1e9, (usage.free - size) / 1e9, where)
+  return False
 
 
 def _forget_removed_workdirs() -> None:
