@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -188,3 +190,28 @@ def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
   assert second_text == first_text
   assert sorted(p.suffix for p in (tmp_path / "cache" / "decoders").iterdir()) == [
       ".bin", ".logits_kernel", ".shapes"]
+
+
+def test_the_least_recently_used_files_go_beyond_max_bytes(cache_dir, monkeypatch):
+  """Each new file removes the least recently used files beyond MAX_BYTES
+  (by modification time; a load touches its file), never itself."""
+  import jax.numpy as jnp
+  used = executable_cache.load_or_eval_shape({"f": "used"}, lambda: jnp.zeros(3))
+  (path_used,) = cache_dir.glob("*.shapes")
+  old = {}
+  for age in (1, 2, 3):  # three stale files of 1,000 bytes, 100-300 s old
+    old[age] = cache_dir / f"stale{age}.bin"
+    old[age].write_bytes(b"x" * 1000)
+    os.utime(old[age], (time.time() - 100 * age,) * 2)
+  os.utime(path_used, (time.time() - 1000,) * 2)  # the oldest of all ...
+  assert executable_cache.load_or_eval_shape({"f": "used"}, lambda: 1 / 0) == used  # ... used now
+  sizes = {p.name: p.stat().st_size for p in cache_dir.iterdir()}
+  monkeypatch.setattr(executable_cache, "MAX_BYTES", sum(sizes.values()) - 1500)
+  executable_cache.load_or_eval_shape({"f": "new"}, lambda: jnp.zeros(4))
+  left = {p.name for p in cache_dir.iterdir()}
+  # The new file pushed the total over by 1,500 bytes + its own size: the
+  # oldest stale files go first, the recently used one and the new one stay.
+  new = [name for name in left if name.endswith(".shapes") and name != path_used.name]
+  assert path_used.name in left and len(new) == 1
+  assert not old[3].exists() and not old[2].exists()
+  assert sum(p.stat().st_size for p in cache_dir.iterdir()) <= executable_cache.MAX_BYTES

@@ -34,7 +34,9 @@ program, the output projection's layout (`<key>.logits_kernel`). A start
 that finds all of them traces nothing, so it never imports flax.
 
 A file that does not load (another jaxlib, a truncated write) is removed and
-the decoder compiled (the shapes traced) as if there were none. The cache is off when the
+the decoder compiled (the shapes traced) as if there were none. The directory
+is kept under MAX_BYTES (2 GiB): each new file removes the least recently
+used ones beyond it (a load marks its file used). The cache is off when the
 compilation cache is (`--compilation_cache=off`).
 """
 
@@ -73,6 +75,7 @@ jax.monitoring.register_event_listener(_count_cache_hits)
 
 SUBDIRECTORY = "decoders"
 FORMAT = 2  # bump when what a file holds changes
+MAX_BYTES = 2 << 30  # the directory's files beyond this: the least recently used go
 
 
 def directory() -> Path | None:
@@ -171,7 +174,9 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
   path = where / f"{key(parts)}{suffix}"
   if path.exists():
     try:
-      return load(pickle.loads(path.read_bytes())), True
+      value = load(pickle.loads(path.read_bytes()))
+      os.utime(path)  # (last used now: the pruning keeps what is used)
+      return value, True
     except Exception as e:  # (another jaxlib, a truncated file: make it again)
       logger.warning("%s %s did not load (%s: %s); making it again.", what, path,
                      type(e).__name__, e)
@@ -179,9 +184,30 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
   value = make()
   try:
     write_atomically(str(path), pickle.dumps(dump(value)))
+    _prune(where, keep=path)
   except Exception as e:  # (a read-only or full disk: go on, uncached)
     logger.warning("Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
   return value, False
+
+
+def _prune(where: Path, keep: Path) -> None:
+  """Removes the least recently used files of `where` (by modification time:
+  a load touches its file) until they take MAX_BYTES at most; never `keep`.
+  Every change of this package's code, of jax or of the devices makes new
+  keys, so without this the directory only grows (900 MB after two days of
+  development on one machine)."""
+  files = []
+  for entry in os.scandir(where):
+    if entry.is_file() and not entry.name.startswith("."):  # (not a write in progress)
+      stat = entry.stat()
+      files.append((stat.st_mtime_ns, stat.st_size, Path(entry.path)))
+  total = sum(size for _, size, _ in files)
+  for _, size, path in sorted(files):
+    if total <= MAX_BYTES:
+      break
+    if path != keep:
+      path.unlink(missing_ok=True)
+      total -= size
 
 
 def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], *,
