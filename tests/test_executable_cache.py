@@ -215,3 +215,15 @@ def test_the_least_recently_used_files_go_beyond_max_bytes(cache_dir, monkeypatc
   assert path_used.name in left and len(new) == 1
   assert not old[3].exists() and not old[2].exists()
   assert sum(p.stat().st_size for p in cache_dir.iterdir()) <= executable_cache.MAX_BYTES
+
+
+def test_a_read_only_cache_still_loads(cache_dir, monkeypatch):
+  """Marking a loaded file used may fail (a cache shared read-only): the
+  file is loaded all the same, not made again."""
+  import jax.numpy as jnp
+  shapes = executable_cache.load_or_eval_shape({"f": "ro"}, lambda: jnp.zeros(5))
+
+  def refuse(*args, **kwargs):
+    raise PermissionError("read-only file system")
+  monkeypatch.setattr(executable_cache.os, "utime", refuse)
+  assert executable_cache.load_or_eval_shape({"f": "ro"}, lambda: 1 / 0) == shapes

@@ -42,6 +42,7 @@ compilation cache is (`--compilation_cache=off`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -175,12 +176,15 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
   if path.exists():
     try:
       value = load(pickle.loads(path.read_bytes()))
-      os.utime(path)  # (last used now: the pruning keeps what is used)
-      return value, True
     except Exception as e:  # (another jaxlib, a truncated file: make it again)
       logger.warning("%s %s did not load (%s: %s); making it again.", what, path,
                      type(e).__name__, e)
-      path.unlink(missing_ok=True)
+      with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+    else:
+      with contextlib.suppress(OSError):  # (a read-only cache: used as it is)
+        os.utime(path)  # last used now: `_prune` keeps what is used
+      return value, True
   value = make()
   try:
     write_atomically(str(path), pickle.dumps(dump(value)))
