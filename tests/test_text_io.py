@@ -139,6 +139,20 @@ def test_bytes_and_text_land_whole_with_usual_permissions(tmp_path):
   assert os.listdir(path.parent) == ["out.txt"]     # no temporary file left
 
 
+def test_a_writer_function_streams_into_the_file(tmp_path):
+  path = tmp_path / "out.bin"
+  write_atomically(path, lambda f: [f.write(bytes([k]) * 1000) for k in range(3)])
+  assert path.read_bytes() == b"\x00" * 1000 + b"\x01" * 1000 + b"\x02" * 1000
+  path.write_text("old")
+
+  def half_then_fail(f):
+    f.write(b"half")
+    raise OSError(28, "No space left on device")
+  with pytest.raises(OSError):
+    write_atomically(path, half_then_fail)
+  assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.bin"]
+
+
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"), KeyboardInterrupt()])
 def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch, error):
   path = tmp_path / "out.txt"

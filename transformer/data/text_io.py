@@ -27,7 +27,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import BinaryIO
 
 STDIN = "<stdin>"  # the name of standard input in messages
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark: not part of the text
@@ -173,9 +174,11 @@ def write_lines(lines: Sequence[str], path: str | None) -> None:
     raise TextFileError(path, f"cannot write it ({e.strerror or e}); nothing was written") from None
 
 
-def write_atomically(path: str | os.PathLike, content: bytes | str) -> None:
-  """Writes `content` (bytes, or text written as UTF-8 with "\\n" line ends)
-  to `path`, creating its directory if needed.
+def write_atomically(path: str | os.PathLike,
+                     content: bytes | str | Callable[[BinaryIO], None]) -> None:
+  """Writes `content` (bytes, text written as UTF-8 with "\\n" line ends, or
+  a function that writes into the open binary file: a large file without a
+  copy of it in memory) to `path`, creating its directory if needed.
 
   The file gets the usual permissions (0o666 less the umask), as `open()`
   would give it, not the 0o600 of a temporary file. Raises OSError if the
@@ -183,12 +186,13 @@ def write_atomically(path: str | os.PathLike, content: bytes | str) -> None:
   """
   path = os.fspath(path)
   data = content.encode("utf-8") if isinstance(content, str) else content
+  write = data if callable(data) else lambda f: f.write(data)
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.tmp-")
   try:
     with os.fdopen(fd, "wb") as f:
-      f.write(data)
+      write(f)
       f.flush()
       os.fsync(f.fileno())
     os.chmod(tmp, 0o666 & ~_umask())

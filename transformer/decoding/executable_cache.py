@@ -79,11 +79,11 @@ FORMAT = 2  # bump when what a file holds changes
 MAX_BYTES = 2 << 30  # the directory's files beyond this: the least recently used go
 
 
-def directory() -> Path | None:
-  """Where compiled decoders are kept: `decoders/` in the compilation cache's
-  directory, or None when that cache is off."""
+def directory(subdirectory: str = SUBDIRECTORY) -> Path | None:
+  """Where compiled decoders are kept: `decoders/` (or `subdirectory`) in the
+  compilation cache's directory, or None when that cache is off."""
   base = jax.config.jax_compilation_cache_dir
-  return Path(base) / SUBDIRECTORY if base else None
+  return Path(base) / subdirectory if base else None
 
 
 def _hash_sources() -> str:

@@ -41,15 +41,17 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import jax
 import numpy as np
 
+from transformer.data.text_io import write_atomically
+from transformer.decoding import executable_cache
 from transformer.runtime import checkpoint_names, multihost
+from transformer.runtime.disk_space import tree_bytes
 from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -63,8 +65,7 @@ _META = "__meta__"  # the npz entry that holds the JSON description
 def directory() -> Path | None:
   """`serving_params/` in the compilation cache's directory, or None when that
   cache is off."""
-  base = jax.config.jax_compilation_cache_dir
-  return Path(base) / SUBDIRECTORY if base else None
+  return executable_cache.directory(SUBDIRECTORY)
 
 
 def applies(workdir: str) -> bool:
@@ -162,7 +163,7 @@ def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tupl
       logger.warning("Serving copy %s did not load (%s: %s); restoring the checkpoint.",
                      path, type(e).__name__, e)
   params, info = restore()
-  if not _room_for(sum(x.nbytes for x in jax.tree.leaves(params))):
+  if not _room_for(tree_bytes(params)):
     return params, info
   # Kept under the fingerprint taken before the restore: a checkpoint written
   # meanwhile makes the copy stale (restored again next time), never wrong.
@@ -205,20 +206,11 @@ def _forget_removed_workdirs() -> None:
         path.unlink(missing_ok=True)
 
 
-def _write(path: Path, write: Callable[[Any], None]) -> None:
-  """`write(file)` into a temporary file renamed to `path` (a reader never sees
-  half a file); a disk that refuses it is noted and skipped."""
+def _write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+  """`text_io.write_atomically` (a reader never sees half a file); a disk that
+  refuses it is noted and skipped: decoding goes on."""
   try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    try:
-      with os.fdopen(fd, "wb") as f:
-        write(f)
-      os.chmod(tmp, 0o644)
-      os.replace(tmp, path)
-    finally:
-      if os.path.exists(tmp):
-        os.unlink(tmp)
+    write_atomically(path, write)
   except OSError as e:
     logger.warning("Could not keep the serving copy %s (%s: %s).", path,
                    type(e).__name__, e)
