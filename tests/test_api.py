@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 START_MARKER = "<!-- api-example-start -->"
 END_MARKER = "<!-- api-example-end -->"
+FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"  # a trained tiny model
 
 # The README's example: a smoke run (seconds). For real translations use
 # transformer.demo_config() as it is (1200 steps, a few minutes on a CPU).
@@ -199,7 +200,11 @@ def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_exa
   translator.set_params(other)
   try:
     got = translator.translate(sentences, method="beam")
-    assert translator._executables == compiled  # nothing compiled again
+    # Nothing compiled again (new decoders only for the inputs that the
+    # other parameters' first search leaves unfinished: `first_search_length`).
+    assert all(translator._executables[shape] is decoder for shape, decoder in compiled.items())
+    assert all(decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
+               for shape in set(translator._executables) - set(compiled))
   finally:
     translator.set_params(trained)  # the module's other tests use it
   assert got == want
@@ -238,6 +243,51 @@ def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   finally:
     translator.shrink_batches = True
   assert whole == shrunk
+
+
+def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monkeypatch):
+  """A batch decodes the first `first_search_length` steps of its search (a
+  cache that long), and searches again in full, in a batch of their own
+  with fewer rows, only the inputs that did not finish in them. Made 8 steps
+  here (12 for beam search), which the longer translations need more than
+  (6 of 14 greedy; beam 4; 1 of 2 samples): the same translations and scores
+  as the whole search at once (`first_search` off; greedy, beam 4 with its
+  2-best, 2 samples), and `last_stats` counts the inputs searched again."""
+  translator = transformer.load_translator(str(FIXTURE_WORKDIR))
+  sentences = ["seven", "ten white lamps", "forty-two red apples and one small cat",
+               "one hundred seventy-six red bottles and four hundred eighty-one green flowers",
+               "", "one new child and one yellow book", "nine hundred ninety-nine old houses",
+               "three cats"] * 2
+  runs = [("greedy", {}), ("beam", dict(n_best=2)),
+          ("sample", dict(n_best=2, top_k=5, seed=1))]
+
+  def translate_all(first_len):
+    out = []
+    for method, options in runs:
+      steps = first_len and first_len[method]
+      monkeypatch.setattr(translation, "first_search_length",
+                          lambda src_len, out_len, min_len: min(out_len, steps))
+      hyps = translator.translate_hypotheses(sentences, method=method, batch_size=16,
+                                             **options)
+      out.append((hyps, translator.last_stats["searched_again"]))
+    return out
+
+  translator.first_search = False
+  whole = translate_all(None)
+  assert all(decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
+             for shape in translator._executables)
+  translator.first_search = True
+  first_part = translate_all(dict(greedy=8, beam=12, sample=8))
+  for (method, _), (want, none_again), (got, again) in zip(runs, whole, first_part):
+    assert none_again == 0
+    assert 0 < again < 14, method  # (14 non-empty inputs)
+    assert [[h.text for h in hyps] for hyps in got] == [[h.text for h in hyps] for hyps in want]
+    np.testing.assert_allclose([[h.score for h in hyps] for hyps in got],
+                               [[h.score for h in hyps] for hyps in want], rtol=1e-5)
+  again_shapes = [shape for shape in translator._executables
+                  if decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
+                  and decoder_option(shape, "batch") < 16]
+  assert {shape[0] for shape in again_shapes} == {"greedy", "beam"}  # (6 samples' 12 rows: 16)
 
 
 def test_packed_sources_translate_the_same_as_padded_ones(run_example):
@@ -309,7 +359,8 @@ def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, m
   dispatch = translator_lib.Translator._dispatch
 
   def recording(self, shape, inputs):
-    lengths.append(shape[2])  # the batch's padded source length
+    if decoder_option(shape, "max_len") < decoder_option(shape, "search_len"):
+      lengths.append(shape[2])  # the batch's padded source length (not a search again)
     return dispatch(self, shape, inputs)
 
   monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)

@@ -158,7 +158,7 @@ def make_markov_model(log_table):
 # alpha, temperature, top_p, the PRNG key) are passed traced, which checks that
 # nothing is hard-coded and lets tests share compilations.
 STATIC_ARGS = ("max_len", "beam_size", "top_k", "early_exit", "reorder_cache", "shrink",
-               "n_best", "stop", "log_probs")
+               "n_best", "stop", "log_probs", "bound_len", "return_done")
 # Compiling dominates the run time of these tests; XLA's -O0 cuts it by about a
 # third and does not change what is computed.
 jit = functools.partial(jax.jit,
@@ -401,6 +401,45 @@ def test_beam_search_early_exit_changes_nothing(table_seed, alpha, min_len, eos_
   full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
   np.testing.assert_array_equal(fast[0][:, :kept], full[0][:, :kept])
   np.testing.assert_array_equal(fast[1][:, :kept], full[1][:, :kept])
+
+
+@pytest.mark.parametrize("shrink", [None, "shrink"])
+@pytest.mark.parametrize("table_seed,alpha,eos_bias,n_best", [
+    (201, 0.6, -1.0, 1),  # 4 of 12 inputs done
+    (205, 0.6, 0.5, 3),   # 4
+    (204, 1.5, 0.0, 1),   # 1
+])
+def test_beam_search_done_in_a_first_part_is_what_the_whole_search_gives(
+    table_seed, alpha, eos_bias, n_best, shrink):
+  """`bound_len`: only the first 8 steps of a search to 21 decoded. The inputs
+  it says are done have the n-best and scores of the whole search (without
+  early exit); some are done, and some that are not would have changed.
+  (With `stop="current"`, not exact, an input's n-best can still change after
+  it is done, while its batch decodes on: the whole search is no reference.)"""
+  eos_id, max_len, first = 5, 21, 8
+  table = random_table(table_seed, VOCAB)
+  table[:, eos_id] += eos_bias
+  kw = dict(beam_size=4, length_penalty=alpha, bos_id=0, eos_id=eos_id)
+  whole_seqs, whole_scores = run(decoding.beam_search, table, OFFSETS, max_len=max_len,
+                                 early_exit=False, **kw)
+  kw.update(n_best=n_best)
+  seqs, scores, done = run(decoding.beam_search, table, OFFSETS, max_len=first,
+                           bound_len=max_len, return_done=True,
+                           shrink=SHRINK if shrink else None, **kw)
+  assert done.dtype == bool and 0 < done.sum() < len(OFFSETS)
+  np.testing.assert_array_equal(seqs[done, :n_best], whole_seqs[done, :n_best, :first])
+  assert not whole_seqs[done, :n_best, first:].any()
+  np.testing.assert_array_equal(scores[done, :n_best], whole_scores[done, :n_best])
+  changed = [not (np.array_equal(seqs[i, :n_best], whole_seqs[i, :n_best, :first])
+                  and np.array_equal(scores[i, :n_best], whole_scores[i, :n_best]))
+             for i in np.flatnonzero(~done)]
+  assert any(changed)
+
+
+def test_beam_search_rejects_a_bound_shorter_than_its_steps():
+  with pytest.raises(ValueError, match="bound_len=4 must be at least max_len=8"):
+    decoding.beam_search(lambda ids, cache: None, {}, batch_size=1, max_len=8, bound_len=4,
+                         bos_id=0, eos_id=1)
 
 
 @pytest.mark.parametrize("alpha", [0.0, -0.5])

@@ -387,15 +387,15 @@ def test_beam_search_with_in_place_cache_equals_full_forward_search():
   translator = Translator(cfg, params, tokenizer=None)
   decode = translator._decode_fn("beam", batch, src.shape[1], max_len, beams, 0)
   rows = np.zeros(batch, np.int32)
-  seqs, scores = decode(translator.params, translator.logits_kernel, np.asarray(src),
-                        jax.random.key(0), rows, rows, 0.6, 1.0, 1.0, min_len, ())
+  seqs, scores, _ = decode(translator.params, translator.logits_kernel, np.asarray(src),
+                           jax.random.key(0), rows, rows, 0.6, 1.0, 1.0, min_len, ())
   np.testing.assert_array_equal(seqs, want_seqs)
   np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
 
   greedy = translator._decode_fn("greedy", batch, src.shape[1], max_len, 1, 0)
   rows = np.zeros(batch, np.int32)
-  seqs, scores = greedy(translator.params, translator.logits_kernel, np.asarray(src),
-                        jax.random.key(0), rows, rows, 0.6, 1.0, 1.0, min_len, ())
+  seqs, scores, _ = greedy(translator.params, translator.logits_kernel, np.asarray(src),
+                           jax.random.key(0), rows, rows, 0.6, 1.0, 1.0, min_len, ())
   want_seqs, want_scores = jax.jit(functools.partial(
       decoding.greedy_search, tokens_to_logits, **common),
       compiler_options=FAST_COMPILE)(init(src))

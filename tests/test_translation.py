@@ -131,6 +131,24 @@ def test_summary_line():
   assert line.endswith("sample, averaged steps [200, 300], on 2 devices, 6 attention plots")
   assert output.summary_line(STATS, method="beam", checkpoint="", plots=0).endswith(
       ", 0 attention plots")
+  assert "(compiling 2.0 s; 3 searched again in full; 116.5 tokens/s" in output.summary_line(
+      dict(STATS, searched_again=3), method="beam", checkpoint="")
+
+
+@pytest.mark.parametrize("src_len,out_len,min_len,first", [
+    (8, 58, 0, 24),     # 8 + 16: at least 16 more tokens
+    (16, 66, 0, 32),
+    (32, 82, 0, 48),    # 32 + 32 / 2
+    (64, 114, 0, 96),
+    (7, 57, 0, 24),     # 7 + 16 = 23, whole early-exit chunks (2)
+    (8, 58, 5, 30),     # 5 + 8 + 16 = 29 -> 30
+    (8, 20, 0, 20),     # never past the search itself
+    (128, 178, 0, 178),
+])
+def test_first_search_length_is_the_source_and_half_of_it_at_least_16_more(
+    src_len, out_len, min_len, first):
+  assert translation.loops.EARLY_EXIT_CHUNK == 2 and translation.FIRST_SEARCH_EXTRA == 16
+  assert translation.first_search_length(src_len, out_len, min_len) == first
 
 
 def test_truncation_warning_counts_in_words():

@@ -282,7 +282,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                 reorder_cache: Callable[[PyTree, jax.Array], PyTree] | None = None,
                 shrink: Shrink | None = None,
                 empty_rows: jax.Array | None = None,
-                n_best: int | None = None, stop: str = "exact") -> tuple[jax.Array, jax.Array]:
+                n_best: int | None = None, stop: str = "exact",
+                bound_len: int | None = None, return_done: bool = False) -> tuple[jax.Array, ...]:
   """Beam search with the GNMT length penalty.
 
   One function on purpose: its step (`step_fn`) and stopping test (`done_fn`)
@@ -351,16 +352,29 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     n_best: the hypotheses per input early exit keeps exact (above), 1 ...
       beam_size; None: beam_size.
     stop: "exact" or "current": the early-exit bound (above).
+    bound_len: the length the search runs to (>= max_len; None: max_len),
+      of which only the first max_len steps are decoded here: the exact
+      bound looks at every length up to bound_len, so an input done within
+      max_len steps has what a search of bound_len steps would give it. (A
+      caller decodes a short first part, with a short cache, and searches
+      again in full only the inputs that are not done: `Translator`.)
+    return_done: also return `done`.
 
   Returns:
     sequences: [batch, beam_size, max_len] int32, n-best, best first (with
       early exit, the slots after the first n_best may hold hypotheses that
       a longer search would have replaced).
     scores: [batch, beam_size] float32, log p / lp as above.
+    done (with return_done): [batch] bool, the inputs whose first n_best
+      hypotheses are final (early exit's test, at bound_len): for the others
+      a longer search could still change them.
   """
   alpha = length_penalty
   batch, beams = batch_size, beam_size
   n_best = beams if n_best is None else n_best
+  bound_len = max_len if bound_len is None else bound_len
+  if bound_len < max_len:
+    raise ValueError(f"bound_len={bound_len} must be at least max_len={max_len}")
   if not 1 <= n_best <= beams:
     raise ValueError(f"n_best={n_best} must be in 1 ... beam_size={beams}")
   if stop not in BEAM_STOPS:
@@ -431,16 +445,16 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     # because s <= 0. "current": only the next step's length.
     max_lp = gnmt_length_penalty(state.step + 1, alpha)
     if stop == "exact":
-      max_lp = jnp.maximum(max_lp, gnmt_length_penalty(max_len, alpha))
+      max_lp = jnp.maximum(max_lp, gnmt_length_penalty(bound_len, alpha))
     cannot_improve = best_alive / max_lp < worst_finished
     no_alive = best_alive == NEG_INF
     return cannot_improve | no_alive
 
-  def results(state: _BeamState) -> tuple[jax.Array, jax.Array]:
+  def results(state: _BeamState) -> tuple[jax.Array, ...]:
     """The finished hypotheses, then (in the slots finished ones did not fill)
     the alive ones, truncated at max_len. Both blocks are sorted best first,
     so a stable sort that only moves empty slots (-inf) to the end keeps that
-    order."""
+    order. (And `done`, with return_done.)"""
     alive_scores = state.alive_log_probs / gnmt_length_penalty(max_len, alpha)
     scores = jnp.concatenate([state.finished_scores, alive_scores], axis=1)
     seqs = jnp.concatenate([state.finished_seqs, state.alive_seqs], axis=1)
@@ -448,7 +462,9 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     order = jnp.argsort(empty, axis=1, stable=True)[:, :beams]
     scores = jnp.take_along_axis(scores, order, axis=1)
     seqs = jnp.where((scores > NEG_INF)[:, :, None], _gather_beams(seqs, order), 0)
-    return seqs, scores
+    if not return_done:
+      return seqs, scores
+    return seqs, scores, input_done(state) | (state.step >= bound_len)  # (nothing left to search)
 
   # Only beam 0 is alive at the start; the others would be duplicates.
   first = 0.0 if empty_rows is None else jnp.where(empty_rows, NEG_INF, 0.0)

@@ -53,7 +53,7 @@ WINDOW_LINES = 20_000  # lines read, sorted and decoded together
 OUTPUT_FORMATS = ("text", "jsonl")
 # The Translator's counts and times, summed over the windows this process decodes.
 _COUNTS = ("sentences", "decoded", "truncated", "generated_tokens", "seconds",
-           "compile_seconds", "host_seconds", "decoders_loaded")
+           "compile_seconds", "host_seconds", "decoders_loaded", "searched_again")
 
 
 class ResumeMismatch(ValueError):

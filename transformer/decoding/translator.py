@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import inspect
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -57,6 +58,10 @@ MIN_BUCKET = 8
 # docs/benchmarks.md: halving to 4 rows saved a little more for twice the compiling).
 SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
+# A batch first decodes its padded source length plus half of it, at least 16
+# more tokens (its cache that long), and searches again in full only the inputs
+# not finished by then (`first_search_length`).
+FIRST_SEARCH_EXTRA = 16
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
                      # measuring, benchmarks/bench_batching.py)
 
@@ -105,6 +110,20 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   return batches
 
 
+def first_search_length(src_len: int, out_len: int, min_len: int) -> int:
+  """The steps a batch of inputs padded to `src_len` decodes first, of the
+  `out_len` its search may run: past `min_len`, the padded source plus half
+  of it, at least FIRST_SEARCH_EXTRA tokens more (whole early-exit chunks).
+  A step reads its whole cache, which is as long as the steps decoded: the
+  default out_len (the source + 50) is 2.4x this for sources of 8 tokens,
+  1.7x for 16. The inputs not finished by then are searched again in full
+  (`Translator._search_again_shape`): a translation 1.5x its source's padded
+  length is rare."""
+  chunk = loops.EARLY_EXIT_CHUNK
+  first = min_len + src_len + max(FIRST_SEARCH_EXTRA, src_len // 2)
+  return min(out_len, -(-first // chunk) * chunk)
+
+
 def pack_batch(inputs: Sequence[list[int]], rows: int, length: int, copies: int) -> np.ndarray:
   """`[rows, length]` int32: input r in rows r * copies ... r * copies + copies - 1
   (copies > 1: one row per sample), padded with 0; the rows left over are empty."""
@@ -143,6 +162,12 @@ class Translator:
   encoder reads a batch's sentences packed several to a row
   (`source_packing`), not each padded to the batch's length.
 
+  `first_search` (an attribute, default True): each batch first decodes the
+  first `first_search_length` steps of its search (its cache that long), and
+  searches again in full only the inputs those leave unfinished; False: the
+  whole search at once (training's evaluation: an undertrained model's
+  translations run to the end, and each would be searched twice).
+
   `shrink_batches` (an attribute, default: True on CPU only): a batch goes on
   with fewer rows once most of its inputs are done (`_shrink`). Measured on
   CPU 1.6-3x greedy and 1.2-2x beam throughput; on an H200 no gain for greedy
@@ -164,6 +189,7 @@ class Translator:
     self.overlap = True  # detokenize batch k - 1 while the device decodes batch k
     self.shrink_batches = self.mesh.devices.flat[0].platform == "cpu"
     self.pack_sources = self.shrink_batches and len(self.mesh.devices.flat) == 1
+    self.first_search = True
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
     self._decoders_loaded = 0  # of them, how many executable_cache loaded
@@ -224,11 +250,11 @@ class Translator:
                  beam_size: int, top_k: int, early_exit: bool = True,
                  temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
                  beam_stop: str = "exact", shrink: bool = True, log_probs: bool = True,
-                 packed: bool = False):
+                 packed: bool = False, search_len: int = 0):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], rng, row_lines [batch],
     row_copies [batch], length_penalty, temperature, top_p, min_len, packing) ->
-    (sequences [batch, n, max_len], scores [batch, n]). `translate_hypotheses`
+    (sequences [batch, n, max_len], scores [batch, n], done [batch]). `translate_hypotheses`
     compiles it once per shape (`self._executables`). Sampling draws row r's
     tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`: a line's
     sample depends on the seed and its line number only. A temperature of 1 or
@@ -240,7 +266,11 @@ class Translator:
     (`_shrink`). Without `log_probs`, greedy search and sampling return zero
     scores (no log-sum-exp over the vocabulary per step). With `packed`, the
     encoder reads the inputs packed as `packing` (`source_packing.pack`'s
-    tokens, segments, positions, where) says; otherwise `packing` is ()."""
+    tokens, segments, positions, where) says; otherwise `packing` is ().
+    `search_len` (0: max_len): the search these max_len steps begin (beam
+    search's exact bound looks that far); `done` says which rows are
+    finished (an EOS; beam: `search.beam_search`'s done), the others would
+    go on in a longer search (`first_search_length`)."""
     cfg, model = self.config, self.model
 
     def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
@@ -269,7 +299,7 @@ class Translator:
         return decoding.beam_search(
             tokens_to_logits, state(beam_size), beam_size=beam_size,
             length_penalty=length_penalty, early_exit=early_exit, n_best=n_best or None,
-            stop=beam_stop,
+            stop=beam_stop, bound_len=max(search_len, max_len), return_done=True,
             reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
             **common)
       if method == "greedy":
@@ -282,14 +312,15 @@ class Translator:
             tokens_to_logits, state(), rng=row_keys,
             temperature=temperature if temperature_on else 1.0, top_k=top_k,
             top_p=top_p if top_p_on else 1.0, log_probs=log_probs, **common)
-      return seqs[:, None], scores[:, None]
+      done = jnp.any(seqs == cfg.eos_id, axis=1) | common["empty_rows"]
+      return seqs[:, None], scores[:, None], done
 
     data = NamedSharding(self.mesh, P("data"))
     replicated = NamedSharding(self.mesh, P())
     return jax.jit(run, in_shardings=(self._param_shardings, self._logits_kernel_sharding,
                                       data, replicated, data, data, replicated, replicated,
                                       replicated, replicated, data),
-                   out_shardings=(data, data))
+                   out_shardings=(data, data, data))
 
   def _shrink(self, shrink: bool) -> decoding.Shrink | None:
     """How a batch drops its finished inputs (`decoding.Shrink`): to a quarter
@@ -413,10 +444,13 @@ class Translator:
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
     for src_len, members in length_batches(encoded, self.config.max_len, inputs_per_batch):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
-      shape = (method, rows, src_len, self._output_length(src_len, max_len, extra_len),
+      out_len = self._output_length(src_len, max_len, extra_len)
+      first_len = (first_search_length(src_len, out_len, min_len)
+                   if early_exit and self.first_search else out_len)
+      shape = (method, rows, src_len, first_len,
                beam_size, top_k, early_exit, *switches,
                *((n_best, beam_stop) if method == "beam" else (0, "exact")),
-               self.shrink_batches, log_probs, self.pack_sources)
+               self.shrink_batches, log_probs, self.pack_sources, out_len)
       batches.append((shape, members))
     batches = batches[share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
@@ -433,16 +467,29 @@ class Translator:
       row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
       packing = (tuple(source_packing.pack([ids for ids in sources for _ in range(copies)],
                                            rows, shape[2]))
-                 if shape[-1] else ())  # (`_decode_fn`'s last option: `packed`)
+                 if _decoder_option(shape, "packed") else ())
       return inputs, rng, row_lines, row_copies, *options, packing
 
-    def finish(pending) -> int:
+    searched_again = []  # (shape, members): inputs a first search left unfinished
+
+    def finish(pending) -> int:  # (-> tokens generated)
       """The hypotheses of a dispatched batch, read back (waiting for the
-      device only if it is not done) and detokenized."""
-      (shape, members), seqs, scores = pending
-      seqs, scores = np.asarray(seqs), np.asarray(scores)
+      device only if it is not done) and detokenized; its inputs that the
+      batch's first search left unfinished go to `searched_again` instead."""
+      (shape, members), seqs, scores, done = pending
+      seqs, scores, done = np.asarray(seqs), np.asarray(scores), np.asarray(done)
       if not log_probs:  # (the decoder left them out: zeros)
         scores = np.full(scores.shape, np.nan, np.float32)
+      if _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len"):  # (a first search)
+        done = done[:len(members) * copies].reshape(len(members), copies).all(axis=1)
+        if not done.all():
+          searched_again.append(
+              (self._search_again_shape(shape, int((~done).sum()) * copies),
+               [i for i, d in zip(members, done) if not d]))
+          kept = np.flatnonzero(done)
+          members = [members[k] for k in kept]
+          picked = (kept[:, None] * copies + np.arange(copies)).reshape(-1)  # their rows
+          seqs, scores = seqs[picked], scores[picked]
       rows = unpack_hypotheses(seqs, scores, len(members), copies, n_best)
       ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
@@ -460,51 +507,53 @@ class Translator:
       bar.update(len(members))
       return tokens
 
-    # Every decoder this call needs, compiled (or loaded) before decoding starts.
-    first_batches: dict[tuple, list[int]] = {}
-    for shape, members in batches:
-      first_batches.setdefault(shape, members)
-    compile_seconds = self._prepare_all(
-        [(shape, batch_inputs(shape, members)) for shape, members in first_batches.items()])
+    def prepare(batches) -> float:
+      """Every decoder `batches` need, compiled (or loaded) before decoding
+      starts; returns the seconds it took."""
+      first_batches: dict[tuple, list[int]] = {}
+      for shape, members in batches:
+        first_batches.setdefault(shape, members)
+      return self._prepare_all(
+          [(shape, batch_inputs(shape, members)) for shape, members in first_batches.items()])
 
-    # Longest batches first: lanes that take the next batch as they free up
-    # then end together, instead of one lane decoding the longest batch alone
-    # at the end (measured in docs/benchmarks.md "Wasted rows").
-    queue = iter(batches[::-1] if LONGEST_FIRST else batches)
-    take = threading.Lock()  # (lanes take the next batch in turn)
-    failed = threading.Event()  # (one lane's error stops the others)
+    def decode(batches) -> list[tuple[int, float]]:
+      """Decodes `batches` in order, in lanes; per lane (tokens generated,
+      host seconds)."""
+      queue = iter(batches)
+      take = threading.Lock()  # (lanes take the next batch in turn)
+      failed = threading.Event()  # (one lane's error stops the others)
 
-    def lane() -> tuple[int, float]:
-      """Decodes batches from `queue` until it is empty: (tokens generated,
-      host seconds). The device works on batch k while the host packs batch
-      k + 1 and detokenizes batch k - 1 (JAX dispatches asynchronously)."""
-      generated, host_seconds, pending = 0, 0.0, None
-      while not failed.is_set():
-        with take:
-          shape, members = next(queue, (None, None))
-        if shape is None:
-          break
-        host_start = time.perf_counter()
-        inputs = batch_inputs(shape, members)
-        host_seconds += time.perf_counter() - host_start
-        seqs, scores = self._dispatch(shape, inputs)
-        if pending is not None:
+      def lane() -> tuple[int, float]:
+        """Decodes batches from `queue` until it is empty. The device works
+        on batch k while the host packs batch k + 1 and detokenizes batch
+        k - 1 (JAX dispatches asynchronously)."""
+        generated, host_seconds, pending = 0, 0.0, None
+        while not failed.is_set():
+          with take:
+            shape, members = next(queue, (None, None))
+          if shape is None:
+            break
           host_start = time.perf_counter()
-          generated += finish(pending)
+          inputs = batch_inputs(shape, members)
           host_seconds += time.perf_counter() - host_start
-        pending = ((shape, members), seqs, scores)
-        if not self.overlap:  # (for measuring what the overlap gains)
+          outputs = self._dispatch(shape, inputs)
+          if pending is not None:
+            host_start = time.perf_counter()
+            generated += finish(pending)
+            host_seconds += time.perf_counter() - host_start
+          pending = ((shape, members), *outputs)
+          if not self.overlap:  # (for measuring what the overlap gains)
+            generated += finish(pending)
+            pending = None
+        if pending is not None:
           generated += finish(pending)
-          pending = None
-      if pending is not None:
-        generated += finish(pending)
-      return generated, host_seconds
+        return generated, host_seconds
 
-    lanes = min(concurrent_batches or self.default_concurrent_batches(), max(len(batches), 1))
-    if lanes == 1:
-      totals = [lane()]
-    else:  # each lane a thread: their batches run side by side
-      def guarded_lane():
+      lanes = min(concurrent_batches or self.default_concurrent_batches(), max(len(batches), 1))
+      if lanes == 1:
+        return [lane()]
+
+      def guarded_lane():  # each lane a thread: their batches run side by side
         try:
           return lane()
         except BaseException:
@@ -512,12 +561,23 @@ class Translator:
           raise
       with concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="decode") as pool:
         futures = [pool.submit(guarded_lane) for _ in range(lanes)]
-        totals = [future.result() for future in futures]
+        return [future.result() for future in futures]
+
+    # Longest batches first: lanes that take the next batch as they free up
+    # then end together, instead of one lane decoding the longest batch alone
+    # at the end (measured in docs/benchmarks.md "Wasted rows").
+    compile_seconds = prepare(batches)
+    totals = decode(batches[::-1] if LONGEST_FIRST else batches)
+    if searched_again:  # (rare: `first_search_length`)
+      again = sorted(searched_again, key=lambda batch: batch[1][0])
+      compile_seconds += prepare(again)
+      totals += decode(again)
     generated = sum(tokens for tokens, _ in totals)
     host_seconds = sum(seconds for _, seconds in totals)
     bar.close()
     self.last_stats = self._stats(len(sentences), decoded, truncated, generated,
                                   time.perf_counter() - start, compile_seconds, host_seconds)
+    self.last_stats["searched_again"] = sum(len(members) for _, members in searched_again)
     return results
 
   # -- the steps of `translate_hypotheses` -----------------------------------
@@ -556,6 +616,20 @@ class Translator:
       out_len = min(out_len, self.config.max_len)
     return out_len
 
+  def _search_again_shape(self, shape: tuple, rows: int) -> tuple:
+    """The decoder that searches again in full (max_len = search_len) the
+    inputs of a batch of `shape` that its first search left unfinished,
+    `rows` of them: as few rows as hold them (SHRINK_MIN_ROWS times a power
+    of two, a multiple of the devices, at most the batch's)."""
+    devices = len(self.mesh.devices.flat)
+    needed = SHRINK_MIN_ROWS
+    while needed < rows:
+      needed *= 2
+    fields = dict(zip(_DECODER_ARGUMENTS, shape))
+    fields.update(batch=min(fields["batch"], -(-needed // devices) * devices),
+                  max_len=fields["search_len"])
+    return tuple(fields.values())
+
   def _prepare_all(self, needed: Sequence[tuple[tuple, tuple]]) -> float:
     """`_prepare`s the decoders of `needed` [(shape, inputs)], side by side
     in threads (one per CPU core at most). Loading them from disk (a second
@@ -590,7 +664,8 @@ class Translator:
   def _dispatch(self, shape: tuple, inputs: tuple):
     """Starts decoding one batch with the decoder of `shape` (`_prepare`d);
     `inputs`: its arguments after the parameters. Returns (sequences [rows,
-    n, max_len], scores [rows, n]) as device arrays, still being computed."""
+    n, max_len], scores [rows, n], done [rows]) as device arrays, still being
+    computed."""
     return self._executables[shape](self.params, self.logits_kernel, *inputs)
 
   def _stats(self, sentences: int, decoded: int, truncated: int, generated: int,
@@ -651,3 +726,13 @@ class Translator:
                  out_shardings=replicated)
     self._compiled["cross_attention"] = fn
     return fn
+
+
+# `Translator._decode_fn`'s arguments in order: the fields of a decoder's shape
+# (the keys of `Translator._executables`).
+_DECODER_ARGUMENTS = tuple(inspect.signature(Translator._decode_fn).parameters)[1:]
+
+
+def _decoder_option(shape: tuple, name: str):
+  """The value of `Translator._decode_fn`'s argument `name` in `shape`."""
+  return shape[_DECODER_ARGUMENTS.index(name)]

@@ -67,6 +67,9 @@ class Evaluator:
     """The Translator, holding `params` (its decoders compile once)."""
     if self._translator is None:
       self._translator = translation.Translator(self.model_config, params, self.tokenizer)
+      # Whole searches: early in training most translations run to the end,
+      # and a short first search would decode (and compile) each twice.
+      self._translator.first_search = False
     else:
       self._translator.set_params(params)
     return self._translator
