@@ -27,9 +27,9 @@ def test_cache_attention_reads_a_prefix_yet_equals_attention_over_written_positi
   batch, heads, beams, d = 2, 2, 3, 4
   query = rng.normal(size=(batch, heads, beams, d))
   key = rng.normal(size=(batch, heads, beams, d, length))
-  value = rng.normal(size=(batch, heads, beams * length, d))
-  # the cache's layout: [batch, heads, d, beams * length], slot-major
-  key_cache = key.transpose(0, 1, 3, 2, 4).reshape(batch, heads, d, beams * length)
+  value = rng.normal(size=(batch, heads, length * beams, d))
+  # the cache's layout: [batch, heads, d, length * beams], position-major
+  key_cache = key.transpose(0, 1, 3, 4, 2).reshape(batch, heads, d, length * beams)
   slot_of = rng.integers(0, beams, size=(batch, beams, length))  # an ancestry table
   attend = jax.jit(kv_cache._attend_cache_prefix)
   for written in range(1, length + 1):
@@ -43,7 +43,7 @@ def test_cache_attention_reads_a_prefix_yet_equals_attention_over_written_positi
         for q in range(beams):
           slots, ts = np.nonzero(visible[b, q])
           keys = key[b, h, slots, :, ts]                  # [visible, d]
-          values = value[b, h, slots * length + ts]       # [visible, d]
+          values = value[b, h, ts * beams + slots]        # [visible, d]
           want = np_attention(query[b, h, q][None], keys, values)[0]
           np.testing.assert_allclose(got[b, h, q], want, atol=1e-5,
                                      err_msg=f"written={written} b={b} h={h} beam={q}")

@@ -12,8 +12,11 @@ Two kinds of keys/values are read by a decoding step:
     `write`).
 
 Layout (heads first, so that a step transposes nothing of the cache's size):
-  key    `[batch, heads, d_k, slots * length]`  (slot-major: q K^T is one matmul)
-  value  `[batch, heads, slots * length, d_v]`  (slot-major: one matmul reads it)
+  key    `[batch, heads, d_k, length * slots]`  (q K^T is one matmul)
+  value  `[batch, heads, length * slots, d_v]`  (one matmul reads it)
+position-major: slot j of position t at t * slots + j, so that a step writes
+its beams' keys (values) with one update, and a prefix of positions is a
+prefix of the cache.
 The `beams` rows of input b (rows b * beams ... b * beams + beams - 1) are its
 query positions, so keys/values shared by the beams are read once per input.
 The memory has one slot; the self-attention cache has one slot per beam.
@@ -53,14 +56,14 @@ def init_cache(config, batch_size: int, max_decode_len: int, beams: int = 1) -> 
 
   `config`: the model's `TransformerConfig`. Per decoder layer (with
   `scan_layers`, stacked on a leading layer axis): "key" `[batch, heads, d_k,
-  beams * max_decode_len]` and "value" `[batch, heads, beams * max_decode_len,
-  d_k]` (beam-major); "ancestry" `[batch, beams, max_decode_len]` int32 says
+  max_decode_len * beams]` and "value" `[batch, heads, max_decode_len * beams,
+  d_k]` (position-major: beam j of position t at t * beams + j); "ancestry" `[batch, beams, max_decode_len]` int32 says
   which slot holds each position of each beam's history; "index" is the
   position decoded next.
   """
   heads = (batch_size, config.num_heads)
-  shapes = {"key": heads + (config.head_dim, beams * max_decode_len),
-            "value": heads + (beams * max_decode_len, config.head_dim)}
+  shapes = {"key": heads + (config.head_dim, max_decode_len * beams),
+            "value": heads + (max_decode_len * beams, config.head_dim)}
   zeros = lambda shape: jnp.zeros(shape, config.compute_dtype)
   if config.scan_layers:
     layers = {name: zeros((config.num_decoder_layers,) + shape)
@@ -121,43 +124,22 @@ def self_attention_mask(cache: dict) -> tuple[Array, Array]:
 
 def write(layer_cache: dict, key: Array, value: Array, index: Array) -> dict:
   """One layer's cache with this step's keys/values `[batch * beams, 1, heads,
-  d_k]` written at position `index`, beam j into slot j."""
-  return {"key": _write_key_position(layer_cache["key"], key, index),
-          "value": _write_value_position(layer_cache["value"], value, index)}
-
-
-def _write_key_position(cache: Array, new: Array, index: Array) -> Array:
-  """Writes `new` `[batch * beams, 1, heads, d_k]` at position `index` of
-  `cache` `[batch, heads, d_k, beams * max_decode_len]`, beam j at column
-  j * max_decode_len + index."""
-  batch, heads, d_k, _ = cache.shape
-  new = new.reshape(batch, -1, heads, d_k).transpose(0, 2, 3, 1)  # [batch, heads, d_k, beams]
-  return _write_each_beam(cache, new, index, axis=3)
-
-
-def _write_value_position(cache: Array, new: Array, index: Array) -> Array:
-  """Writes `new` `[batch * beams, 1, heads, d_v]` at position `index` of
-  `cache` `[batch, heads, beams * max_decode_len, d_v]`, beam j at row
-  j * max_decode_len + index."""
-  batch, heads, _, d_v = cache.shape
-  new = new.reshape(batch, -1, heads, d_v).transpose(0, 2, 1, 3)  # [batch, heads, beams, d_v]
-  return _write_each_beam(cache, new, index, axis=2)
-
-
-def _write_each_beam(cache: Array, new: Array, index: Array, axis: int) -> Array:
-  """Writes `new` (beams on `axis`) into `cache` (beams * max_decode_len on
-  `axis`, slot-major): beam j at j * max_decode_len + index. One in-place
-  update per beam: a single update of a reshaped view made XLA copy the
-  whole cache at every step for the matmul that reads it."""
-  beams = new.shape[axis]
-  length = cache.shape[axis] // beams
-  new = new.astype(cache.dtype)
-  for j in range(beams):
-    start = [0] * cache.ndim
-    start[axis] = j * length + index
-    cache = jax.lax.dynamic_update_slice(
-        cache, jax.lax.slice_in_dim(new, j, j + 1, axis=axis), start)
-  return cache
+  d_k]` written at position `index`, beam j into slot j: columns (key) or rows
+  (value) index * beams ... index * beams + beams - 1, one in-place update
+  each. (Slot-major, beam j of position t at j * max_decode_len + t, took an
+  update per beam: 4x the updates, and beam search's largest op after its
+  matmuls.)"""
+  key_cache, value_cache = layer_cache["key"], layer_cache["value"]
+  batch, heads, d_k, _ = key_cache.shape
+  key = key.reshape(batch, -1, heads, d_k).transpose(0, 2, 3, 1)  # [batch, heads, d_k, beams]
+  value = value.reshape(batch, -1, heads, value_cache.shape[-1]).transpose(0, 2, 1, 3)
+  beams = key.shape[-1]  # (value: [batch, heads, beams, d_v])
+  zero = jnp.zeros((), jnp.int32)
+  start = (index * beams).astype(jnp.int32)
+  return {"key": jax.lax.dynamic_update_slice(
+              key_cache, key.astype(key_cache.dtype), (zero, zero, zero, start)),
+          "value": jax.lax.dynamic_update_slice(
+              value_cache, value.astype(value_cache.dtype), (zero, zero, start, zero))}
 
 
 def memory_layout(key: Array, value: Array) -> tuple[Array, Array]:
@@ -179,8 +161,8 @@ def attend(query: Array, key: Array, value: Array, mask: Array,
 
   Args:
     query: `[batch * beams, 1, heads, d_k]`, projected (Q W^Q), not yet scaled.
-    key: `[batch, heads, d_k, slots * kv_length]` (slot-major).
-    value: `[batch, heads, slots * kv_length, d_v]` (slot-major).
+    key: `[batch, heads, d_k, kv_length * slots]` (position-major).
+    value: `[batch, heads, kv_length * slots, d_v]` (position-major).
     mask: bool, broadcastable to `[batch, heads, beams, slots, kv_length]`
       (its axis 3 says how many slots the keys/values hold).
     written: for a self-attention cache, the number of positions written so
@@ -206,30 +188,30 @@ def _attend_slots(query: Array, key: Array, value: Array, mask: Array) -> Array:
   """Scaled dot-product attention of each input's beams over its key/value slots.
 
   query `[batch, heads, beams, d_k]` (already scaled by 1/sqrt(d_k)), key
-  `[batch, heads, d_k, slots * length]`, value `[batch, heads, slots *
-  value_length, d_v]` with value_length >= length (positions past `length`
-  get weight 0), mask broadcastable to `[batch, heads, beams, slots, length]`
+  `[batch, heads, d_k, length * slots]`, value `[batch, heads, value_length
+  * slots, d_v]` with value_length >= length (positions past `length` get
+  weight 0), mask broadcastable to `[batch, heads, beams, slots, length]`
   (slots = its axis 3) -> `[batch, heads, beams, d_v]`.
   """
-  # scores[b, h, q, s, t] = sum_d query[b, h, q, d] key[b, h, d, s, t]: every
+  # scores[b, h, q, t, s] = sum_d query[b, h, q, d] key[b, h, d, t, s]: every
   # beam against every slot in one matmul per (input, head), [beams, d_k] x
-  # [d_k, slots * length]. (Beam search computed them as d_k elementwise
+  # [d_k, length * slots]. (Beam search computed them as d_k elementwise
   # multiply-adds of key rows until 2026-11-26: a third of its decoder's
   # instructions, and slower than the matmul once XLA's CPU ran batched
   # matmuls through YNNPACK.)
   slots = mask.shape[3]
   length = key.shape[-1] // slots
   scores = jnp.einsum("bhqd,bhdx->bhqx", query, key, preferred_element_type=jnp.float32)
-  scores = scores.reshape(scores.shape[:3] + (slots, length))
-  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  scores = scores.reshape(scores.shape[:3] + (length, slots))
+  scores = jnp.where(jnp.swapaxes(mask, 3, 4), scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=(3, 4)).astype(value.dtype)
-  # heads[b, h, q, d] = sum_{s, t} weights[b, h, q, s, t] value[b, h, s * L + t, d]
-  # with L = value_length: zero weights pad a prefix's to the whole value
-  # cache, which the matmul then reads in place (slicing each slot's prefix
-  # would copy it first, at a higher cost than the extra rows).
+  # heads[b, h, q, d] = sum_{t, s} weights[b, h, q, t, s] value[b, h, t * S + s, d]
+  # with S = slots: zero weights pad a prefix's to the whole value cache, which
+  # the matmul then reads in place (slicing the prefix would copy it first,
+  # at a higher cost than the extra rows).
   value_length = value.shape[2] // slots
   if value_length > length:
-    weights = jnp.pad(weights, ((0, 0),) * 4 + ((0, value_length - length),))
+    weights = jnp.pad(weights, ((0, 0),) * 3 + ((0, value_length - length), (0, 0)))
   weights = weights.reshape(weights.shape[:3] + (-1,))
   return jnp.einsum("bhqx,bhxd->bhqd", weights, value)
 
@@ -256,9 +238,7 @@ def _attend_cache_prefix(query: Array, key: Array, value: Array, mask: Array,
     def attend_prefix(query, key, value, mask):
       # Keys and scores are read for the prefix only; values in place (see
       # `_attend_slots`: the weights past n are zeros).
-      key_prefix = key.reshape(key.shape[:3] + (slots, length))[..., :n]
-      return _attend_slots(query, key_prefix.reshape(key.shape[:3] + (slots * n,)), value,
-                           mask[..., :n])
+      return _attend_slots(query, key[..., :n * slots], value, mask[..., :n])
     return attend_prefix
 
   branch = sum((written > bound).astype(jnp.int32) for bound in bounds[:-1])
