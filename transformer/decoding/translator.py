@@ -79,10 +79,15 @@ class Hypothesis(NamedTuple):
 def bucket_length(length: int, max_length: int) -> int:
   """The padded length for an input of `length` tokens: the next power of two
   (at least MIN_BUCKET), capped at `max_length`."""
-  bucket = MIN_BUCKET
-  while bucket < length:
-    bucket *= 2
-  return min(bucket, max_length)
+  return min(_power_of_two_at_least(length, MIN_BUCKET), max_length)
+
+
+def _power_of_two_at_least(n: int, smallest: int) -> int:
+  """`smallest` times the smallest power of two that makes it >= n."""
+  size = smallest
+  while size < n:
+    size *= 2
+  return size
 
 
 def length_batches(encoded: Sequence[list[int]], max_length: int,
@@ -507,77 +512,23 @@ class Translator:
       bar.update(len(members))
       return tokens
 
-    def prepare(batches) -> float:
-      """Every decoder `batches` need, compiled (or loaded) before decoding
-      starts; returns the seconds it took."""
-      first_batches: dict[tuple, list[int]] = {}
-      for shape, members in batches:
-        first_batches.setdefault(shape, members)
-      return self._prepare_all(
-          [(shape, batch_inputs(shape, members)) for shape, members in first_batches.items()])
-
-    def decode(batches) -> list[tuple[int, float]]:
-      """Decodes `batches` in order, in lanes; per lane (tokens generated,
-      host seconds)."""
-      queue = iter(batches)
-      take = threading.Lock()  # (lanes take the next batch in turn)
-      failed = threading.Event()  # (one lane's error stops the others)
-
-      def lane() -> tuple[int, float]:
-        """Decodes batches from `queue` until it is empty. The device works
-        on batch k while the host packs batch k + 1 and detokenizes batch
-        k - 1 (JAX dispatches asynchronously)."""
-        generated, host_seconds, pending = 0, 0.0, None
-        while not failed.is_set():
-          with take:
-            shape, members = next(queue, (None, None))
-          if shape is None:
-            break
-          host_start = time.perf_counter()
-          inputs = batch_inputs(shape, members)
-          host_seconds += time.perf_counter() - host_start
-          outputs = self._dispatch(shape, inputs)
-          if pending is not None:
-            host_start = time.perf_counter()
-            generated += finish(pending)
-            host_seconds += time.perf_counter() - host_start
-          pending = ((shape, members), *outputs)
-          if not self.overlap:  # (for measuring what the overlap gains)
-            generated += finish(pending)
-            pending = None
-        if pending is not None:
-          generated += finish(pending)
-        return generated, host_seconds
-
-      lanes = min(concurrent_batches or self.default_concurrent_batches(), max(len(batches), 1))
-      if lanes == 1:
-        return [lane()]
-
-      def guarded_lane():  # each lane a thread: their batches run side by side
-        try:
-          return lane()
-        except BaseException:
-          failed.set()
-          raise
-      with concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="decode") as pool:
-        futures = [pool.submit(guarded_lane) for _ in range(lanes)]
-        return [future.result() for future in futures]
-
     # Longest batches first: lanes that take the next batch as they free up
     # then end together, instead of one lane decoding the longest batch alone
     # at the end (measured in docs/benchmarks.md "Wasted rows").
-    compile_seconds = prepare(batches)
-    totals = decode(batches[::-1] if LONGEST_FIRST else batches)
+    lanes = concurrent_batches or self.default_concurrent_batches()
+    compile_seconds = self._prepare_batches(batches, batch_inputs)
+    totals = self._decode_in_lanes(batches[::-1] if LONGEST_FIRST else batches,
+                                   batch_inputs, finish, lanes)
     if searched_again:  # (rare: `first_search_length`)
       again = sorted(searched_again, key=lambda batch: batch[1][0])
-      compile_seconds += prepare(again)
-      totals += decode(again)
+      compile_seconds += self._prepare_batches(again, batch_inputs)
+      totals += self._decode_in_lanes(again, batch_inputs, finish, lanes)
     generated = sum(tokens for tokens, _ in totals)
     host_seconds = sum(seconds for _, seconds in totals)
     bar.close()
-    self.last_stats = self._stats(len(sentences), decoded, truncated, generated,
-                                  time.perf_counter() - start, compile_seconds, host_seconds)
-    self.last_stats["searched_again"] = sum(len(members) for _, members in searched_again)
+    self.last_stats = self._stats(
+        len(sentences), decoded, truncated, generated, time.perf_counter() - start,
+        compile_seconds, host_seconds, sum(len(members) for _, members in searched_again))
     return results
 
   # -- the steps of `translate_hypotheses` -----------------------------------
@@ -622,13 +573,71 @@ class Translator:
     `rows` of them: as few rows as hold them (SHRINK_MIN_ROWS times a power
     of two, a multiple of the devices, at most the batch's)."""
     devices = len(self.mesh.devices.flat)
-    needed = SHRINK_MIN_ROWS
-    while needed < rows:
-      needed *= 2
+    needed = _power_of_two_at_least(rows, SHRINK_MIN_ROWS)
     fields = dict(zip(_DECODER_ARGUMENTS, shape))
     fields.update(batch=min(fields["batch"], -(-needed // devices) * devices),
                   max_len=fields["search_len"])
     return tuple(fields.values())
+
+  def _prepare_batches(self, batches, batch_inputs) -> float:
+    """`_prepare_all` for every decoder `batches` [(shape, members)] need,
+    with `batch_inputs(shape, members)` as a batch's arguments; the seconds
+    it took."""
+    first_batches: dict[tuple, list[int]] = {}
+    for shape, members in batches:
+      first_batches.setdefault(shape, members)
+    return self._prepare_all(
+        [(shape, batch_inputs(shape, members)) for shape, members in first_batches.items()])
+
+  def _decode_in_lanes(self, batches, batch_inputs, finish, lanes: int
+                       ) -> list[tuple[int, float]]:
+    """Decodes `batches` [(shape, members)] in order, in up to `lanes`
+    threads side by side; `finish((shape, members), *outputs)` reads a batch
+    back and returns its tokens generated. Per lane: (tokens generated, host
+    seconds)."""
+    queue = iter(batches)
+    take = threading.Lock()  # (lanes take the next batch in turn)
+    failed = threading.Event()  # (one lane's error stops the others)
+
+    def lane() -> tuple[int, float]:
+      """Decodes batches from `queue` until it is empty. The device works on
+      batch k while the host packs batch k + 1 and detokenizes batch k - 1
+      (JAX dispatches asynchronously)."""
+      generated, host_seconds, pending = 0, 0.0, None
+      while not failed.is_set():
+        with take:
+          shape, members = next(queue, (None, None))
+        if shape is None:
+          break
+        host_start = time.perf_counter()
+        inputs = batch_inputs(shape, members)
+        host_seconds += time.perf_counter() - host_start
+        outputs = self._dispatch(shape, inputs)
+        if pending is not None:
+          host_start = time.perf_counter()
+          generated += finish(pending)
+          host_seconds += time.perf_counter() - host_start
+        pending = ((shape, members), *outputs)
+        if not self.overlap:  # (for measuring what the overlap gains)
+          generated += finish(pending)
+          pending = None
+      if pending is not None:
+        generated += finish(pending)
+      return generated, host_seconds
+
+    lanes = min(lanes, max(len(batches), 1))
+    if lanes == 1:
+      return [lane()]
+
+    def guarded_lane():  # each lane a thread: their batches run side by side
+      try:
+        return lane()
+      except BaseException:
+        failed.set()
+        raise
+    with concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="decode") as pool:
+      futures = [pool.submit(guarded_lane) for _ in range(lanes)]
+      return [future.result() for future in futures]
 
   def _prepare_all(self, needed: Sequence[tuple[tuple, tuple]]) -> float:
     """`_prepare`s the decoders of `needed` [(shape, inputs)], side by side
@@ -669,14 +678,15 @@ class Translator:
     return self._executables[shape](self.params, self.logits_kernel, *inputs)
 
   def _stats(self, sentences: int, decoded: int, truncated: int, generated: int,
-             seconds: float, compile_seconds: float, host_seconds: float) -> dict[str, float]:
+             seconds: float, compile_seconds: float, host_seconds: float,
+             searched_again: int) -> dict[str, float]:
     """`last_stats`: counts, times and tokens/s of the decoding itself
     (compilation happens once per shape, so it is left out of the speed), and
     the host's own work (tokens to and from text, packing) outside compiling."""
     return {"sentences": sentences, "decoded": decoded, "truncated": truncated,
             "generated_tokens": generated, "seconds": seconds,
             "compile_seconds": compile_seconds, "host_seconds": host_seconds,
-            "decoders_loaded": self._decoders_loaded,
+            "decoders_loaded": self._decoders_loaded, "searched_again": searched_again,
             "devices": len(self.mesh.devices.flat),
             "tokens_per_second": generated / max(seconds - compile_seconds, 1e-9)}
 
