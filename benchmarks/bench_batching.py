@@ -18,7 +18,7 @@ source padding. On real text, for a trained model.
    of one length bucket whose pools drain at their end).
 2. **Timing.** `Translator.translate` of the same lines (every shape
    compiled first, then `--repeats` alternating rounds, medians) as it is:
-   `translator.length_batches` (consecutive lengths), early-exit checks
+   `batching.length_batches` (consecutive lengths), early-exit checks
    every 2 steps (`loops.EARLY_EXIT_CHUNK`), the longest batches decoded
    first (`translator.LONGEST_FIRST`); the same with checks every 4 steps;
    and as before 2026-11-26 (`per_bucket_batches`: one length bucket per
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vs_ctranslate2 import add_model_and_input_arguments, read_input
-from transformer.decoding import loader, loops, source_packing
+from transformer.decoding import batching as batching_lib, loader, loops, source_packing
 from transformer.decoding import translator as translator_lib
 
 BATCHINGS = ("consecutive", "per bucket")
@@ -45,11 +45,11 @@ BATCHINGS = ("consecutive", "per bucket")
 def per_bucket_batches(encoded, max_length, inputs_per_batch):
   """The batching before 2026-11-26 (for comparison): inputs grouped by
   length bucket, each bucket cut into batches, so each bucket's last batch
-  has empty rows. Same signature as `translator.length_batches`."""
+  has empty rows. Same signature as `batching.length_batches`."""
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   buckets: dict[int, list[int]] = {}
   for i in todo:
-    buckets.setdefault(translator_lib.bucket_length(len(encoded[i]), max_length), []).append(i)
+    buckets.setdefault(batching_lib.bucket_length(len(encoded[i]), max_length), []).append(i)
   batches = []
   for src_len, members in sorted(buckets.items()):
     per_batch = inputs_per_batch(src_len)
@@ -58,7 +58,7 @@ def per_bucket_batches(encoded, max_length, inputs_per_batch):
 
 
 def make_batches(batching: str, encoded, max_length: int, batch: int):
-  form = translator_lib.length_batches if batching == "consecutive" else per_bucket_batches
+  form = batching_lib.length_batches if batching == "consecutive" else per_bucket_batches
   return form(encoded, max_length, lambda src_len: batch)
 
 
@@ -142,22 +142,22 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
 
 
 # (batching, early-exit check every, decoded longest batches first): the
-# settings of `translator.length_batches`, `loops.EARLY_EXIT_CHUNK` and
+# settings of `batching.length_batches`, `loops.EARLY_EXIT_CHUNK` and
 # `translator.LONGEST_FIRST` each timed variant runs with. The first: now.
-VARIANTS = {("consecutive", 2, True): (translator_lib.length_batches, 2, True),
-            ("consecutive", 4, True): (translator_lib.length_batches, 4, True),
+VARIANTS = {("consecutive", 2, True): (batching_lib.length_batches, 2, True),
+            ("consecutive", 4, True): (batching_lib.length_batches, 4, True),
             ("per bucket", 8, False): (per_bucket_batches, 8, False)}
 BASELINE = ("per bucket", 8, False)  # before 2026-11-26
 
 
 def _set(form, chunk, longest_first) -> None:
-  translator_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # (read when tracing)
+  batching_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # (read when tracing)
   translator_lib.LONGEST_FIRST = longest_first
 
 
 def timing(translator, lines, method, batch, repeats):
   """{variant: (median seconds, translations)} (part 2)."""
-  defaults = (translator_lib.length_batches, loops.EARLY_EXIT_CHUNK,
+  defaults = (batching_lib.length_batches, loops.EARLY_EXIT_CHUNK,
               translator_lib.LONGEST_FIRST)
   translators, seconds, outputs = {}, {}, {}
   try:

@@ -30,7 +30,7 @@ import pytest
 import transformer
 from transformer.data import demo_task
 from transformer.training import loop as training
-from transformer.decoding import translator as translation
+from transformer.decoding import batching, translator as translation
 from transformer.runtime import workdir as workdir_lib
 from transformer.data.tokenizer import UNK_ID
 
@@ -265,7 +265,7 @@ def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monk
     out = []
     for method, options in runs:
       steps = first_len and first_len[method]
-      monkeypatch.setattr(translation, "first_search_length",
+      monkeypatch.setattr(batching, "first_search_length",
                           lambda src_len, out_len, min_len: min(out_len, steps))
       hyps = translator.translate_hypotheses(sentences, method=method, batch_size=16,
                                              **options)

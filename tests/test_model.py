@@ -610,7 +610,7 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
   (`early_exit=False`, no shrinking), tokens and scores."""
   from transformer.data import demo_task
   from transformer.decoding import loader
-  from transformer.decoding import translator as translator_lib
+  from transformer.decoding import batching, translator as translator_lib
   monkeypatch.setattr(translator_lib, "SHRINK_FACTOR", 2)
   monkeypatch.setattr(translator_lib, "SHRINK_MIN_ROWS", 2)
   fixture = loader.load_translator(str(REPO / "tests" / "fixtures" / "workdir_d26a6fb"))
@@ -627,8 +627,8 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
   short, long = sentences[:5], sentences[-3:]
   sentences = [short[0], long[0], short[1], long[1], short[2], long[2], *short[3:]]
   encoded, _ = translator._encode(sentences)
-  src_len = translator_lib.bucket_length(max(map(len, encoded)), cfg.max_len)
-  inputs = translator_lib.pack_batch(encoded, 8, src_len, copies=1)
+  src_len = batching.bucket_length(max(map(len, encoded)), cfg.max_len)
+  inputs = batching.pack_batch(encoded, 8, src_len, copies=1)
   rows = np.arange(8, dtype=np.int32)
   with jax.default_matmul_precision("highest"):
     for method in ("greedy",) if scan_layers else ("greedy", "beam"):

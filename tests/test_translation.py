@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from transformer.decoding import options as decoding_options
-from transformer.decoding import output, translator as translation
+from transformer.decoding import batching, output, translator as translation
 from transformer.runtime import errors
 
 
@@ -56,11 +56,11 @@ def test_length_batches_take_inputs_shortest_first_and_skip_empty_ones():
   may span buckets; only the last one is short."""
   encoded = [[5] * 3, [], [5] * 10, [5] * 9, [5] * 2, [5] * 40, [5] * 7]
   two = lambda src_len: 2
-  assert translation.length_batches(encoded, 32, two) == [
+  assert batching.length_batches(encoded, 32, two) == [
       (8, [4, 0]), (16, [6, 3]), (32, [2, 5])]           # 40 tokens: capped at 32
-  assert translation.length_batches(encoded, 32, lambda src_len: 4) == [
+  assert batching.length_batches(encoded, 32, lambda src_len: 4) == [
       (16, [4, 0, 6, 3]), (32, [2, 5])]
-  assert translation.length_batches([[], []], 32, two) == []
+  assert batching.length_batches([[], []], 32, two) == []
 
 
 def test_length_batches_by_tokens_close_a_batch_before_it_outgrows_them():
@@ -70,21 +70,21 @@ def test_length_batches_by_tokens_close_a_batch_before_it_outgrows_them():
   encoded = [[5] * n for n in (2, 3, 4, 5, 9, 10, 11, 20)]
   per_batch = lambda src_len: 64 // src_len                 # 8 at 8, 4 at 16, 2 at 32
   # 4 inputs of bucket 8, then the 9-token one would pad them to 16: full.
-  assert translation.length_batches(encoded, 64, per_batch) == [
+  assert batching.length_batches(encoded, 64, per_batch) == [
       (8, [0, 1, 2, 3]), (16, [4, 5, 6]), (32, [7])]
 
 
 def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():
   inputs = [[7, 8, 1], [9, 1]]
-  batch = translation.pack_batch(inputs, rows=6, length=4, copies=2)
+  batch = batching.pack_batch(inputs, rows=6, length=4, copies=2)
   np.testing.assert_array_equal(batch, [[7, 8, 1, 0], [7, 8, 1, 0], [9, 1, 0, 0],
                                         [9, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]])
   # Decoder output [rows, n, length]: row r's k-th hypothesis is r * 10 + k.
   seqs = np.arange(6)[:, None, None] * 10 + np.arange(3)[None, :, None] + np.zeros((1, 1, 2))
   scores = seqs[..., 0] / 100
-  samples = translation.unpack_hypotheses(seqs, scores, count=2, copies=2, n_best=2)
+  samples = batching.unpack_hypotheses(seqs, scores, count=2, copies=2, n_best=2)
   assert [[int(ids[0]) for ids, _ in hyps] for hyps in samples] == [[0, 10], [20, 30]]
-  beams = translation.unpack_hypotheses(seqs, scores, count=2, copies=1, n_best=2)
+  beams = batching.unpack_hypotheses(seqs, scores, count=2, copies=1, n_best=2)
   assert [[int(ids[0]) for ids, _ in hyps] for hyps in beams] == [[0, 1], [10, 11]]
   assert [score for _, score in beams[1]] == [0.1, 0.11]
 
@@ -147,8 +147,8 @@ def test_summary_line():
 ])
 def test_first_search_length_is_the_source_and_half_of_it_at_least_16_more(
     src_len, out_len, min_len, first):
-  assert translation.loops.EARLY_EXIT_CHUNK == 2 and translation.FIRST_SEARCH_EXTRA == 16
-  assert translation.first_search_length(src_len, out_len, min_len) == first
+  assert batching.loops.EARLY_EXIT_CHUNK == 2 and batching.FIRST_SEARCH_EXTRA == 16
+  assert batching.first_search_length(src_len, out_len, min_len) == first
 
 
 def test_truncation_warning_counts_in_words():

@@ -6,7 +6,7 @@ process XLA's compile of a decoder it compiled before, but not the tracing and
 lowering that come first: 1.3-1.6 s per batch shape for greedy search and
 1.3-3.7 s for beam search, against 0.3-0.9 s for the cache hit itself (the
 small-corpus model, 2-core CPU, 2026-11-25). A file of 1,000 lines needs 4
-shapes (`translator.length_batches`). Here each compiled decoder is serialized
+shapes (`batching.length_batches`). Here each compiled decoder is serialized
 (`jax.experimental.serialize_executable`) into
 `<compilation cache>/decoders/<key>.bin`, and a process that needs the same
 decoder loads it back in milliseconds.

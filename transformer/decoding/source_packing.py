@@ -2,7 +2,7 @@
 several to a row, not each padded to the batch's length.
 
 A batch of `rows` sentences is padded to `length` (a power of two, at least
-8: `translator.bucket_length`), so on real text the encoder reads 40-52% of
+8: `batching.bucket_length`), so on real text the encoder reads 40-52% of
 padding (1,000 gettext lines: 59.8% of the tokens read are real at batch 32,
 48.4% at 128; rows left empty at the end of the last batch are read too),
 and on CPU the encoder is a third of greedy decoding's time. Instead:

@@ -9,15 +9,16 @@ How a list of sentences is decoded:
   1. Tokenize; append EOS; inputs longer than the model's `max_len` are
      truncated (counted in `last_stats["truncated"]`). Empty lines are not
      decoded: they translate to "".
-  2. Sort by length and group into buckets of a few padded lengths (powers of
-     two), so that there are few shapes to compile; every batch of a bucket has
-     the same `[batch_size, bucket_length]` shape (short batches are padded with
-     empty rows, and the batch is a multiple of the local device count, over
-     which it is sharded).
+  2. Sort by length and cut into batches of consecutive lengths, each padded
+     to a power of two (`batching.py`), so that there are few shapes to
+     compile; a batch's rows are a multiple of the local device count, over
+     which it is sharded.
   3. Encode once per batch (on a CPU, the sentences packed several to a row:
      `source_packing.py`); compute every decoder layer's cross-attention
      keys/values once (`Transformer.encoder_memory`); run the strategy over
-     `Transformer.decode_step` with a self-attention cache.
+     `Transformer.decode_step` with a self-attention cache, first for about
+     as many steps as the translations take (`batching.first_search_length`),
+     then again in full for the inputs left unfinished.
   4. Put the results back in input order.
 
 The default output budget is the paper's: input length + 50 tokens (the input
@@ -34,7 +35,7 @@ import functools
 import inspect
 import threading
 import time
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from transformer.data.tokenizer import Tokenizer, available_cores
-from transformer.decoding import executable_cache, loops, sampling, source_packing
+from transformer.decoding import batching, executable_cache, loops, sampling, source_packing
 from transformer.decoding import search as decoding
 from transformer.model.config import TransformerConfig
 from transformer.model import kv_cache
@@ -52,16 +53,11 @@ from transformer.runtime import parallel
 from transformer.decoding.options import check_options
 from transformer.runtime.errors import OptionError
 
-MIN_BUCKET = 8
 # A decoding batch goes on with a quarter of its rows once they hold all its
 # unfinished inputs, down to 8 rows (`Translator._shrink`; measured in
 # docs/benchmarks.md: halving to 4 rows saved a little more for twice the compiling).
 SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
-# A batch first decodes its padded source length plus half of it, at least 16
-# more tokens (its cache that long), and searches again in full only the inputs
-# not finished by then (`first_search_length`).
-FIRST_SEARCH_EXTRA = 16
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
                      # measuring, benchmarks/bench_batching.py)
 
@@ -74,79 +70,6 @@ class Hypothesis(NamedTuple):
   score: float
   log_prob: float
   length: int
-
-
-def bucket_length(length: int, max_length: int) -> int:
-  """The padded length for an input of `length` tokens: the next power of two
-  (at least MIN_BUCKET), capped at `max_length`."""
-  return min(_power_of_two_at_least(length, MIN_BUCKET), max_length)
-
-
-def _power_of_two_at_least(n: int, smallest: int) -> int:
-  """`smallest` times the smallest power of two that makes it >= n."""
-  size = smallest
-  while size < n:
-    size *= 2
-  return size
-
-
-def length_batches(encoded: Sequence[list[int]], max_length: int,
-                   inputs_per_batch: Callable[[int], int]) -> list[tuple[int, list[int]]]:
-  """The decoding batches: [(padded length, indices of its inputs)]. The
-  non-empty inputs, shortest first, are taken in that order, as many to a
-  batch as `inputs_per_batch(padded length)` allows, and a batch is padded
-  to `bucket_length` of its longest. So only the last batch has rows left
-  over, where batches of one length bucket each (a bucket's last batch part
-  empty) left 5-22% of the rows of 1,000 real sentences empty (at batch
-  size 32-128; docs/benchmarks.md)."""
-  todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
-  batches: list[tuple[int, list[int]]] = []
-  members: list[int] = []
-  batch_length = 0  # of `members`: its last (longest) input's bucket
-  for i in todo:
-    length = bucket_length(len(encoded[i]), max_length)  # (the longest so far: sorted)
-    if members and len(members) >= inputs_per_batch(length):
-      batches.append((batch_length, members))
-      members = []
-    members.append(i)
-    batch_length = length
-  if members:
-    batches.append((batch_length, members))
-  return batches
-
-
-def first_search_length(src_len: int, out_len: int, min_len: int) -> int:
-  """The steps a batch of inputs padded to `src_len` decodes first, of the
-  `out_len` its search may run: past `min_len`, the padded source plus half
-  of it, at least FIRST_SEARCH_EXTRA tokens more (whole early-exit chunks).
-  A step reads its whole cache, which is as long as the steps decoded: the
-  default out_len (the source + 50) is 2.4x this for sources of 8 tokens,
-  1.7x for 16. The inputs not finished by then are searched again in full
-  (`Translator._search_again_shape`): a translation 1.5x its source's padded
-  length is rare."""
-  chunk = loops.EARLY_EXIT_CHUNK
-  first = min_len + src_len + max(FIRST_SEARCH_EXTRA, src_len // 2)
-  return min(out_len, -(-first // chunk) * chunk)
-
-
-def pack_batch(inputs: Sequence[list[int]], rows: int, length: int, copies: int) -> np.ndarray:
-  """`[rows, length]` int32: input r in rows r * copies ... r * copies + copies - 1
-  (copies > 1: one row per sample), padded with 0; the rows left over are empty."""
-  batch = np.zeros((rows, length), np.int32)
-  for r, ids in enumerate(inputs):
-    batch[r * copies:(r + 1) * copies, :len(ids)] = ids
-  return batch
-
-
-def unpack_hypotheses(seqs: np.ndarray, scores: np.ndarray, count: int, copies: int,
-                      n_best: int) -> list[list[tuple[np.ndarray, float]]]:
-  """The (token ids, score) hypotheses of each of the first `count` inputs of a
-  batch packed by `pack_batch`: its `copies` sample rows (copies > 1), else
-  the first n_best of its row. `seqs` [rows, n, length], `scores` [rows, n]."""
-  if copies > 1:
-    return [[(seqs[r * copies + c, 0], scores[r * copies + c, 0]) for c in range(copies)]
-            for r in range(count)]
-  return [[(seqs[r, k], scores[r, k]) for k in range(n_best)] for r in range(count)]
 
 
 class Translator:
@@ -168,7 +91,7 @@ class Translator:
   (`source_packing`), not each padded to the batch's length.
 
   `first_search` (an attribute, default True): each batch first decodes the
-  first `first_search_length` steps of its search (its cache that long), and
+  first `batching.first_search_length` steps of its search (its cache that long), and
   searches again in full only the inputs those leave unfinished; False: the
   whole search at once (training's evaluation: an undertrained model's
   translations run to the end, and each would be searched twice).
@@ -275,7 +198,7 @@ class Translator:
     `search_len` (0: max_len): the search these max_len steps begin (beam
     search's exact bound looks that far); `done` says which rows are
     finished (an EOS; beam: `search.beam_search`'s done), the others would
-    go on in a longer search (`first_search_length`)."""
+    go on in a longer search (`batching.first_search_length`)."""
     cfg, model = self.config, self.model
 
     def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
@@ -447,10 +370,11 @@ class Translator:
     batches = []  # (shape, member indices)
     inputs_per_batch = lambda src_len: max(
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
-    for src_len, members in length_batches(encoded, self.config.max_len, inputs_per_batch):
+    for src_len, members in batching.length_batches(encoded, self.config.max_len,
+                                                    inputs_per_batch):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
       out_len = self._output_length(src_len, max_len, extra_len)
-      first_len = (first_search_length(src_len, out_len, min_len)
+      first_len = (batching.first_search_length(src_len, out_len, min_len)
                    if early_exit and self.first_search else out_len)
       shape = (method, rows, src_len, first_len,
                beam_size, top_k, early_exit, *switches,
@@ -466,7 +390,7 @@ class Translator:
       """The decoder's arguments after the parameters for one batch."""
       rows = shape[1]
       sources = [encoded[i] for i in members]
-      inputs = pack_batch(sources, rows, shape[2], copies)
+      inputs = batching.pack_batch(sources, rows, shape[2], copies)
       row_lines = np.zeros(rows, np.int32)
       row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
       row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
@@ -495,7 +419,7 @@ class Translator:
           members = [members[k] for k in kept]
           picked = (kept[:, None] * copies + np.arange(copies)).reshape(-1)  # their rows
           seqs, scores = seqs[picked], scores[picked]
-      rows = unpack_hypotheses(seqs, scores, len(members), copies, n_best)
+      rows = batching.unpack_hypotheses(seqs, scores, len(members), copies, n_best)
       ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
       # Beam scores are log p / lp(length): log p is the score times lp (one
@@ -519,7 +443,7 @@ class Translator:
     compile_seconds = self._prepare_batches(batches, batch_inputs)
     totals = self._decode_in_lanes(batches[::-1] if LONGEST_FIRST else batches,
                                    batch_inputs, finish, lanes)
-    if searched_again:  # (rare: `first_search_length`)
+    if searched_again:  # (rare: `batching.first_search_length`)
       again = sorted(searched_again, key=lambda batch: batch[1][0])
       compile_seconds += self._prepare_batches(again, batch_inputs)
       totals += self._decode_in_lanes(again, batch_inputs, finish, lanes)
@@ -573,7 +497,7 @@ class Translator:
     `rows` of them: as few rows as hold them (SHRINK_MIN_ROWS times a power
     of two, a multiple of the devices, at most the batch's)."""
     devices = len(self.mesh.devices.flat)
-    needed = _power_of_two_at_least(rows, SHRINK_MIN_ROWS)
+    needed = batching.power_of_two_at_least(rows, SHRINK_MIN_ROWS)
     fields = dict(zip(_DECODER_ARGUMENTS, shape))
     fields.update(batch=min(fields["batch"], -(-needed // devices) * devices),
                   max_len=fields["search_len"])
@@ -706,8 +630,8 @@ class Translator:
     # Padded to bucket lengths, so that few shapes are compiled; padded source
     # keys get zero weight and padded target queries come after the real ones
     # (causal), so the sliced weights are those of the unpadded pair.
-    src_len = bucket_length(len(src_ids), cfg.max_len)
-    tgt_len = bucket_length(len(tgt_ids), cfg.max_len)
+    src_len = batching.bucket_length(len(src_ids), cfg.max_len)
+    tgt_len = batching.bucket_length(len(tgt_ids), cfg.max_len)
     inputs = np.full((1, src_len), cfg.pad_id, np.int32)
     inputs[0, :len(src_ids)] = src_ids
     decoder_inputs = np.full((1, tgt_len), cfg.pad_id, np.int32)
