@@ -1,4 +1,4 @@
-"""How sentences become decoding batches, and their results hypotheses again.
+"""How sentences become decoding batches, and decoded rows become hypotheses.
 
 `Translator.translate_hypotheses` (translator.py) decodes a list of token-id
 inputs in batches shaped here:
@@ -11,7 +11,8 @@ inputs in batches shaped here:
   3. `pack_batch` / `unpack_hypotheses`: inputs into a batch's rows (one row
      per sample with `copies` > 1), and the decoder's rows back into each
      input's hypotheses.
-Pure Python and numpy: nothing here touches JAX.
+Plain Python and numpy (of the decoding loops, only `loops.EARLY_EXIT_CHUNK`
+is read): the rules can be read and tested apart from the model.
 """
 
 from __future__ import annotations
