@@ -36,6 +36,11 @@ def bucket_length(length: int, max_length: int) -> int:
   return min(power_of_two_at_least(length, MIN_BUCKET), max_length)
 
 
+def round_up(n: int, multiple: int) -> int:
+  """The smallest multiple of `multiple` that is >= n."""
+  return -(-n // multiple) * multiple
+
+
 def power_of_two_at_least(n: int, smallest: int) -> int:
   """`smallest` times the smallest power of two that makes it >= n."""
   size = smallest
@@ -78,9 +83,8 @@ def first_search_length(src_len: int, out_len: int, min_len: int) -> int:
   1.7x for 16. The inputs not finished by then are searched again in full
   (`Translator._search_again_shape`): a translation 1.5x its source's padded
   length is rare."""
-  chunk = loops.EARLY_EXIT_CHUNK
   first = min_len + src_len + max(FIRST_SEARCH_EXTRA, src_len // 2)
-  return min(out_len, -(-first // chunk) * chunk)
+  return min(out_len, round_up(first, loops.EARLY_EXIT_CHUNK))
 
 
 def pack_batch(inputs: Sequence[list[int]], rows: int, length: int, copies: int) -> np.ndarray:

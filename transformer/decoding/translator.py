@@ -479,14 +479,13 @@ class Translator:
     sample rows), rounded up to a multiple of the devices."""
     devices = len(self.mesh.devices.flat)
     wanted = max(1, batch_tokens // src_len) if batch_tokens else batch_size
-    return -(-max(wanted, copies) // devices) * devices
+    return batching.round_up(max(wanted, copies), devices)
 
   def _output_length(self, src_len: int, max_len: int | None, extra_len: int) -> int:
     """Most tokens generated for a bucket of inputs padded to `src_len`."""
     out_len = max_len
     if out_len is None:  # rounded up to whole early-exit chunks: one compilation, not two
-      chunk = loops.EARLY_EXIT_CHUNK
-      out_len = -(-(src_len + extra_len) // chunk) * chunk
+      out_len = batching.round_up(src_len + extra_len, loops.EARLY_EXIT_CHUNK)
     if self.config.positional == "learned":  # no position embedding past max_len (NaN)
       out_len = min(out_len, self.config.max_len)
     return out_len
@@ -499,7 +498,7 @@ class Translator:
     devices = len(self.mesh.devices.flat)
     needed = batching.power_of_two_at_least(rows, SHRINK_MIN_ROWS)
     fields = dict(zip(_DECODER_ARGUMENTS, shape))
-    fields.update(batch=min(fields["batch"], -(-needed // devices) * devices),
+    fields.update(batch=min(fields["batch"], batching.round_up(needed, devices)),
                   max_len=fields["search_len"])
     return tuple(fields.values())
 

@@ -57,9 +57,9 @@ def init_cache(config, batch_size: int, max_decode_len: int, beams: int = 1) -> 
   `config`: the model's `TransformerConfig`. Per decoder layer (with
   `scan_layers`, stacked on a leading layer axis): "key" `[batch, heads, d_k,
   max_decode_len * beams]` and "value" `[batch, heads, max_decode_len * beams,
-  d_k]` (position-major: beam j of position t at t * beams + j); "ancestry" `[batch, beams, max_decode_len]` int32 says
-  which slot holds each position of each beam's history; "index" is the
-  position decoded next.
+  d_k]` (position-major: beam j of position t at t * beams + j); "ancestry"
+  `[batch, beams, max_decode_len]` int32 says which slot holds each position
+  of each beam's history; "index" is the position decoded next.
   """
   heads = (batch_size, config.num_heads)
   shapes = {"key": heads + (config.head_dim, max_decode_len * beams),
