@@ -168,7 +168,11 @@ def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
   decoder on disk, so it never imports flax (nor orbax: the parameters come
   from their serving copy), and translates the same."""
   script = "\n".join([
-      "import sys",
+      "import collections, shutil, sys",
+      # A disk with room for the serving copy, whatever the machine's has free
+      # (a nearly full disk keeps none, by design: serving_params._room_for).
+      "usage = collections.namedtuple('usage', 'total used free')",
+      "shutil.disk_usage = lambda path: usage(100 << 30, 50 << 30, 50 << 30)",
       "from transformer.runtime import compile_cache",
       f"compile_cache.enable({str(tmp_path / 'cache')!r})",
       "from transformer.decoding import loader",

@@ -28,8 +28,12 @@ DiskUsage = collections.namedtuple("DiskUsage", "total used free")  # shutil.dis
 
 
 @pytest.fixture
-def cache(tmp_path):
-  """A compilation cache of this test's own; restored after."""
+def cache(tmp_path, monkeypatch):
+  """A compilation cache of this test's own, on a disk with room for a copy
+  (whatever the machine's disk has free: a nearly full one keeps no copy, by
+  design); restored after."""
+  monkeypatch.setattr(serving_params.shutil, "disk_usage",
+                      lambda path: DiskUsage(100 << 30, 50 << 30, 50 << 30))
   names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
   old = {name: getattr(jax.config, name) for name in names}
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
@@ -188,18 +192,25 @@ def test_the_copies_of_removed_workdirs_are_removed(cache, workdir, tmp_path):
   assert kept["workdir"] == workdir
 
 
-def test_no_copy_that_would_nearly_fill_the_disk(cache, workdir, restores, monkeypatch):
+@pytest.mark.parametrize("bound", ["bytes", "copies"])
+def test_no_copy_that_would_nearly_fill_the_disk(cache, workdir, restores, monkeypatch, bound):
+  """A copy is kept only where it leaves MIN_FREE_BYTES and MIN_FREE_COPIES
+  times its size free: each bound tested at its edge, where it is the larger."""
   total = 100 << 30
   size = sum(np.asarray(x).nbytes for x in jax.tree.leaves(orbax_params(workdir)))
+  if bound == "copies":  # (the fixture's model is small: 1 GiB would be the larger)
+    monkeypatch.setattr(serving_params, "MIN_FREE_BYTES", 1)
+    needed = 4 * size
+  else:
+    needed = 1 << 30
   restores.clear()
-  # Free space that the copy would bring just under a tenth of the disk.
-  free = int(total * serving_params.KEEP_FREE) + size - 1
+  free = size + needed - 1  # one byte short
   monkeypatch.setattr(serving_params.shutil, "disk_usage",
                       lambda path: DiskUsage(total, total - free, free))
   loader.load_translator(workdir)
   loader.load_translator(workdir)
   assert restores == ["averaged", "averaged"] and not list(cache.glob("*.npz"))
-  free += 1  # exactly a tenth left: kept
+  free += 1  # exactly enough left: kept
   loader.load_translator(workdir)
   loader.load_translator(workdir)
   assert restores == ["averaged"] * 3 and len(list(cache.glob("*.npz"))) == 1

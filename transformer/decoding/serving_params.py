@@ -25,8 +25,11 @@ they would give. A new step, a new average, a save in progress, a removed or
 rewritten file: each changes it, and that decode lists and restores with
 orbax and keeps the result anew.
 
-No copy is written where it would leave less than a tenth of the disk (or
-1 GiB) free: the same disk may hold a training run's next checkpoint.
+No copy is written where it would leave less than 1 GiB, or 4 times its own
+size, free: the same disk may hold the next checkpoint of a training run of
+the model (its parameters and Adam's two moments: 3 times the copy). (A
+share of the disk, a tenth before, refused a 6 MB copy on a 250 GB disk with
+24 GB free.)
 
 Off with the compilation cache (`--compilation_cache=off`), and where it could
 not stand for orbax: a workdir that is not a local path (listing gs://...
@@ -58,7 +61,8 @@ logger = logging.getLogger(__name__)
 
 SUBDIRECTORY = "serving_params"
 FORMAT = 1  # bump when what a file holds changes
-KEEP_FREE = 0.1  # the share of the cache's disk a copy must leave free
+MIN_FREE_BYTES = 1 << 30  # what a copy must leave free on the cache's disk, ...
+MIN_FREE_COPIES = 4  # ... and this many times its size (`_room_for`)
 _META = "__meta__"  # the npz entry that holds the JSON description
 
 
@@ -178,15 +182,16 @@ def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tupl
 
 def _room_for(size: int) -> bool:
   """Whether a copy of `size` bytes leaves the disk of the cache at least
-  KEEP_FREE of its space (and 1 GiB) free: a copy is a convenience, and the
-  same disk may hold a training run's next checkpoint. Says so when not."""
+  MIN_FREE_BYTES and MIN_FREE_COPIES x `size` free: a copy is a convenience,
+  and the same disk may hold a training run's next checkpoint of the model
+  (3 x its parameters with Adam). Says so when not."""
   where = directory()
   try:
     where.mkdir(parents=True, exist_ok=True)
     usage = shutil.disk_usage(where)
   except OSError:
     return False
-  if usage.free - size >= max(KEEP_FREE * usage.total, 1 << 30):
+  if usage.free - size >= max(MIN_FREE_BYTES, MIN_FREE_COPIES * size):
     return True
   logger.info("No serving copy of the parameters kept: %.1f GB would leave %.1f GB free "
               "on the disk of %s.", size / 1e9, (usage.free - size) / 1e9, where)
