@@ -18,7 +18,12 @@ column of a TSV, or a text file) are translated by
 
 greedy and beam 4, at each `--batch_sizes`. Printed: sentences/s of the
 decoding, the whole command's seconds, BLEU against the references (a TSV's
-target column) and the ratio to CTranslate2 float32. CTranslate2's length
+target column), the ratio to CTranslate2 float32, and the decoding's model
+FLOPs utilisation (float32 rows): the FLOPs any engine must compute for
+those translations (`flops.decoding_flops`: the sources encoded once, a
+cached decoder step per output token and beam hypothesis; padding and
+finished rows count 0) per second, over this machine's float32 matmul peak
+measured at the start. CTranslate2's length
 penalty differs from decode.py's GNMT penalty (its beam outputs can differ
 where the penalty decides); greedy outputs should be the same in float32.
 
@@ -179,6 +184,7 @@ def main() -> int:
   import jax
   from transformer.decoding import loader
   from transformer.interop import ctranslate2_export
+  from transformer.training import flops
 
   out = Path(args.out or tempfile.mkdtemp(prefix="bench_ct2_"))
   out.mkdir(parents=True, exist_ok=True)
@@ -190,11 +196,25 @@ def main() -> int:
     exported[quantization] = Path(ctranslate2_export.export_workdir(
         args.workdir, str(out / f"ct2_{quantization}"), quantization=quantization, force=True))
   translator = loader.load_translator(args.workdir)
+  peak = flops.matmul_rate()
   print(f"{len(sources)} lines of {args.input}; {args.threads} threads; jax {jax.__version__} "
-        f"on {jax.devices()[0].device_kind}; workdir {args.workdir}", flush=True)
+        f"on {jax.devices()[0].device_kind}; workdir {args.workdir}; float32 matmul peak "
+        f"{peak / 1e9:.1f} GFLOP/s (2048^3)", flush=True)
+  source_lengths = [len(translator.tokenizer.encode(s)) + 1 if s.strip() else 0  # (+ EOS)
+                    for s in sources]
+
+  def mfu(hypotheses: list[str], hypotheses_per_input: int, seconds: float) -> float:
+    """Model FLOPs utilisation of decoding `sources` into `hypotheses` (each
+    tokenized again: its tokens and EOS) in `seconds`."""
+    target_lengths = [len(translator.tokenizer.encode(h)) + 1 if n else 0
+                      for h, n in zip(hypotheses, source_lengths)]
+    model_flops = flops.decoding_flops(translator.config, source_lengths, target_lengths,
+                                       hypotheses_per_input)
+    return model_flops / seconds / peak
+
   print("\n| engine | method | batch | sentences/s (decoding) | vs CT2 float32 | "
-        "whole command (s) | BLEU |")
-  print("|---|---|---|---|---|---|---|")
+        "whole command (s) | BLEU | MFU (decoding) |")
+  print("|---|---|---|---|---|---|---|---|")
   notes = []
   for method in args.methods.split(","):
     beam = 4 if method == "beam" else 1
@@ -205,7 +225,9 @@ def main() -> int:
         seconds, wall, hyps = ct2_run(model_dir, src_file, out / "ct2.out", batch, beam,
                                       args.threads)
         speed = len(sources) / seconds
-        rows.append((f"CTranslate2 {quantization}", speed, wall, bleu(hyps, references)))
+        utilisation = mfu(hyps, beam, seconds) if quantization == "float32" else float("nan")
+        rows.append((f"CTranslate2 {quantization}", speed, wall, bleu(hyps, references),
+                     utilisation))
         if quantization == "float32":
           float32_hyps = hyps
       stops = args.beam_stops.split(",") if method == "beam" else ["exact"]
@@ -216,7 +238,8 @@ def main() -> int:
           translator.translate(sources, **options)  # every shape compiled
           hyps = translator.translate(sources, **options)
           stats = translator.last_stats
-          speed = stats["sentences"] / max(stats["seconds"] - stats["compile_seconds"], 1e-9)
+          seconds = max(stats["seconds"] - stats["compile_seconds"], 1e-9)
+          speed = stats["sentences"] / seconds
           wall = float("nan")
           if args.commands:
             command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
@@ -229,14 +252,15 @@ def main() -> int:
           label = "decode.py / Translator" + "".join(
               f", {flag}" for flag, shown in ((f"{lanes} lane{'s' * (lanes > 1)}", lanes != 0),
                                              (f"beam_stop={stop}", stop != "exact")) if shown)
-          rows.append((label, speed, wall, bleu(hyps, references)))
+          rows.append((label, speed, wall, bleu(hyps, references), mfu(hyps, beam, seconds)))
           same = sum(a == b for a, b in zip(hyps, float32_hyps))
           notes.append(f"{method}, batch {batch} ({label}): {same} of {len(hyps)} translations "
                        "identical to CTranslate2 float32's")
       reference_speed = rows[0][1]
-      for engine, speed, wall, score in rows:
+      for engine, speed, wall, score, utilisation in rows:
+        shown = "–" if utilisation != utilisation else f"{utilisation:.1%}"  # (nan: int8)
         print(f"| {engine} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
-              f"{wall:.1f} | {score:.1f} |", flush=True)
+              f"{wall:.1f} | {score:.1f} | {shown} |", flush=True)
   print("\n" + "\n".join(notes))
   if args.fixed_steps:
     fixed_step_table(translator, exported["float32"], src_file, out, sources, args)

@@ -60,6 +60,60 @@ def test_training_flop_model_counts_the_step_matmuls():
   assert flops == common.training_flops_per_step(config, batch, src_len, tgt_len)
 
 
+def test_decoding_flop_model_counts_the_cached_steps_matmuls(monkeypatch):
+  """`flops.decoding_flops` against the FLOPs of the dot_generals of a real
+  cached decoding (encode, the encoder memory, then one `decode_step` per
+  target token): equal, but for the self-attention over the cache's slots
+  not filled yet, which the step computes (its cache as long as the target,
+  read whole) and the model count leaves out (t (t - 1) / 2 slot-steps per
+  layer)."""
+  from transformer.model import kv_cache, transformer as M
+  from transformer.model.kv_cache import init_cache
+  # One prefix: a step reads the whole cache (the default's `lax.switch`
+  # among 4 prefixes would put every branch's dots in the jaxpr).
+  monkeypatch.setattr(kv_cache, "CACHE_PREFIX_PARTS", 1)
+  from transformer.training import flops
+  config = M.TransformerConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=48,
+                               num_encoder_layers=2, num_decoder_layers=3,
+                               dropout_rate=0.0)
+  params = M.init_params(config, jax.random.key(0))
+  src_len, tgt_len = 5, 7
+  src = jnp.full((1, src_len), 5)
+
+  def decode(params):
+    model = M.Transformer(config)
+    encoded = model.apply({"params": params}, src, method="encode")
+    kernel = model.apply({"params": params}, method="logits_kernel")
+    memory = model.apply({"params": params}, encoded, src, None, kernel,
+                         method="encoder_memory")
+    cache, token = init_cache(config, 1, tgt_len), jnp.full((1,), config.bos_id)
+    for _ in range(tgt_len):
+      logits, cache = model.apply({"params": params}, token, cache, memory,
+                                  method="decode_step")
+      token = jnp.argmax(logits, axis=-1)
+    return logits
+
+  def all_dot_flops(jaxpr) -> int:  # (matrix-vector products too: a step's attention is)
+    total = 0
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        lhs, rhs = (v.aval for v in eqn.invars)
+        total += common.dot_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (list, tuple)) else (param,):
+          if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+            total += all_dot_flops(getattr(sub, "jaxpr", sub))
+    return total
+
+  measured = all_dot_flops(jax.make_jaxpr(decode)(params).jaxpr)
+  unfilled = 4 * config.d_model * config.num_decoder_layers * tgt_len * (tgt_len - 1) // 2
+  assert measured == flops.decoding_flops(config, [src_len], [tgt_len]) + unfilled
+  # Hypotheses multiply the target's part only.
+  one, three = (flops.decoding_flops(config, [src_len], [tgt_len], h) for h in (1, 3))
+  source = flops.decoding_flops(config, [src_len], [0])
+  assert three - source == 3 * (one - source) > 0
+
+
 def test_program_hash_ignores_where_the_code_lives_but_not_what_it_computes():
   """fingerprint.program_hash: the same computation written in two places (other
   lines, other function names) hashes the same; another computation does not."""

@@ -12,6 +12,7 @@ with every training window; benchmarks/bench_train.py uses the same functions.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,35 @@ def forward_flops(config: TransformerConfig, batch: int, src_len: int,
   attention = batch * 4 * config.d_model * (
       n_enc * src_len * src_len + n_dec * tgt_len * tgt_len + n_dec * tgt_len * src_len)
   return int(dense + attention)
+
+
+def decoding_flops(config: TransformerConfig, source_lengths: Sequence[int],
+                   target_lengths: Sequence[int], hypotheses: int = 1) -> int:
+  """Model FLOPs of translating sentences with a key/value cache: what any
+  engine must compute for them, whatever its batching (the padding and the
+  finished rows a batch carries count 0). Per sentence of s source and t
+  target tokens (each counting its EOS):
+
+    2 * W_enc * N_enc * s + 2 * W_mem * N_dec * s   the source: encoder layers and
+                                                    cross-attention W^K, W^V, once
+  + 4 * d_model * N_enc * s^2                       encoder self-attention QK^T, AV
+  + h * (2 * (W_dec * N_dec + d_model * vocab) * t  each hypothesis: a decoder step per
+         + 4 * d_model * N_dec * (t (t + 1) / 2     token, self-attention over the
+                                  + t * s))         tokens so far and cross over s
+
+  with `forward_flops`' weight counts; h = `hypotheses` (beam search: the
+  beam, each hypothesis counted as long as the output, a lower bound).
+  """
+  w = matmul_weights(config)
+  n_enc, n_dec, d = config.num_encoder_layers, config.num_decoder_layers, config.d_model
+  total = 0
+  for s, t in zip(source_lengths, target_lengths, strict=True):
+    source = 2 * (w["encoder_layer"] * n_enc + w["decoder_layer_on_source"] * n_dec) * s
+    source += 4 * d * n_enc * s * s
+    step = 2 * (w["decoder_layer_on_target"] * n_dec + w["output_projection"])
+    target = step * t + 4 * d * n_dec * (t * (t + 1) // 2 + t * s)
+    total += source + hypotheses * target
+  return int(total)
 
 
 def training_flops_per_step(config: TransformerConfig, batch: int, src_len: int,
