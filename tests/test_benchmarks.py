@@ -69,10 +69,10 @@ def test_decoding_flop_model_counts_the_cached_steps_matmuls(monkeypatch):
   layer)."""
   from transformer.model import kv_cache, transformer as M
   from transformer.model.kv_cache import init_cache
+  from transformer.training import flops
   # One prefix: a step reads the whole cache (the default's `lax.switch`
   # among 4 prefixes would put every branch's dots in the jaxpr).
   monkeypatch.setattr(kv_cache, "CACHE_PREFIX_PARTS", 1)
-  from transformer.training import flops
   config = M.TransformerConfig(vocab_size=64, d_model=32, num_heads=4, d_ff=48,
                                num_encoder_layers=2, num_decoder_layers=3,
                                dropout_rate=0.0)
