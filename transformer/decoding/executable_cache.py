@@ -59,6 +59,7 @@ import jax
 import jaxlib
 
 from transformer.data.text_io import write_atomically
+from transformer.runtime import compile_cache
 
 logger = logging.getLogger(__name__)
 
@@ -183,35 +184,18 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
         path.unlink(missing_ok=True)
     else:
       with contextlib.suppress(OSError):  # (a read-only cache: used as it is)
-        os.utime(path)  # last used now: `_prune` keeps what is used
+        os.utime(path)  # last used now: the pruning keeps what is used
       return value, True
   value = make()
   try:
     write_atomically(str(path), pickle.dumps(dump(value)))
-    _prune(where, keep=path)
+    # Every change of this package's code, of jax or of the devices makes new
+    # keys: without this the directory only grows (900 MB after two days of
+    # development on one machine).
+    compile_cache.prune_least_recently_used(where, MAX_BYTES, keep=path)
   except Exception as e:  # (a read-only or full disk: go on, uncached)
     logger.warning("Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
   return value, False
-
-
-def _prune(where: Path, keep: Path) -> None:
-  """Removes the least recently used files of `where` (by modification time:
-  a load touches its file) until they take MAX_BYTES at most; never `keep`.
-  Every change of this package's code, of jax or of the devices makes new
-  keys, so without this the directory only grows (900 MB after two days of
-  development on one machine)."""
-  files = []
-  for entry in os.scandir(where):
-    if entry.is_file() and not entry.name.startswith("."):  # (not a write in progress)
-      stat = entry.stat()
-      files.append((stat.st_mtime_ns, stat.st_size, Path(entry.path)))
-  total = sum(size for _, size, _ in files)
-  for _, size, path in sorted(files):
-    if total <= MAX_BYTES:
-      break
-    if path != keep:
-      path.unlink(missing_ok=True)
-      total -= size
 
 
 def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], *,

@@ -16,12 +16,20 @@ directory JAX was given already (`jax.config.update("jax_compilation_cache_dir",
 ...)`, $JAX_COMPILATION_CACHE_DIR) is left as it is: the user chose it.
 `transformer.train` and `transformer.load_translator` call `enable()` too, so
 notebooks get it without asking.
+
+JAX never removes an entry, and every change of the code, of jax or of the
+shapes writes new ones (100 MB in a day of development on one machine), so
+`enable()` keeps JAX's entries (the directory's own files; its
+subdirectories are the decoders' and the serving copies', bounded by their
+modules) under MAX_JAX_BYTES: the least recently used go first
+(`prune_least_recently_used`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import jax
 
@@ -30,6 +38,7 @@ OFF = ("off", "none", "0", "false", "")
 # Every program is worth caching: on a 2-core CPU even a 0.5 s compile of a
 # small decoder is a large share of decoding a few lines.
 MIN_COMPILE_SECONDS = 0.0
+MAX_JAX_BYTES = 1 << 30  # JAX's entries beyond this: the least recently used go
 
 logger = logging.getLogger(__name__)
 
@@ -61,4 +70,28 @@ def enable(directory: str | None = None) -> str | None:
     # JAX decides whether to use a cache at its first compile; ask it again.
     from jax.experimental.compilation_cache import compilation_cache
     compilation_cache.reset_cache()
+    try:
+      prune_least_recently_used(Path(choice), MAX_JAX_BYTES)
+    except OSError as e:  # (a read-only cache: used as it is)
+      logger.warning("Could not prune the compilation cache %s (%s).", choice, e)
   return choice
+
+
+def prune_least_recently_used(where: Path, max_bytes: int, keep: Path | None = None) -> None:
+  """Removes the least recently used files directly in `where` (not in its
+  subdirectories) until they take `max_bytes` at most; never `keep`. Used
+  means read or written: the later of a file's access and modification
+  times (a read updates the access time at least once a day, Linux's
+  `relatime`). Names starting with "." (writes in progress) are left alone."""
+  files = []
+  for entry in os.scandir(where):
+    if entry.is_file(follow_symlinks=False) and not entry.name.startswith("."):
+      stat = entry.stat()
+      files.append((max(stat.st_atime_ns, stat.st_mtime_ns), stat.st_size, Path(entry.path)))
+  total = sum(size for _, size, _ in files)
+  for _, size, path in sorted(files):
+    if total <= max_bytes:
+      break
+    if path != keep:
+      path.unlink(missing_ok=True)
+      total -= size
