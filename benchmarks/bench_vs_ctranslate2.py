@@ -27,6 +27,11 @@ measured at the start. CTranslate2's length
 penalty differs from decode.py's GNMT penalty (its beam outputs can differ
 where the penalty decides); greedy outputs should be the same in float32.
 
+`--rounds=N`: each engine decodes the input N times, the engines taking
+turns, and the tables give the medians (one engine's run can be 12% slower
+than its last for the machine's sake alone; alternating spreads such spells
+over both).
+
 `--fixed_steps=N` adds the step alone: every row of every batch decodes
 exactly N steps in both engines (EOS forbidden before the last,
 `fixed_step_options`), so that neither's stopping rule, batching or early
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -178,6 +184,9 @@ def main() -> int:
   parser.add_argument("--beam_stops", default="exact",
                       help="ours, beam search: comma-separated values of decode.py --beam_stop, "
                       "a row each")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="times each engine decodes the input, taking turns; the tables "
+                      "give the medians (a shared machine's speed moves between minutes)")
   parser.add_argument("--out", default="")
   args = parser.parse_args()
 
@@ -219,48 +228,63 @@ def main() -> int:
   for method in args.methods.split(","):
     beam = 4 if method == "beam" else 1
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-      rows = []
-      for quantization, model_dir in exported.items():
-        ct2_run(model_dir, src_file, out / "ct2.out", batch, beam, args.threads)  # (warm)
-        seconds, wall, hyps = ct2_run(model_dir, src_file, out / "ct2.out", batch, beam,
-                                      args.threads)
-        speed = len(sources) / seconds
-        utilisation = mfu(hyps, beam, seconds) if quantization == "float32" else float("nan")
-        rows.append((f"CTranslate2 {quantization}", speed, wall, bleu(hyps, references),
-                     utilisation))
-        if quantization == "float32":
-          float32_hyps = hyps
+      # label -> {"seconds": [...], "wall": [...], "hyps": [...], "mfu": bool}, a
+      # value per round; the engines take turns in every round, so that a
+      # slow spell of the machine falls on both.
+      runs: dict[str, dict] = {}
+
+      def record(label, seconds, wall, hyps, with_mfu=True):
+        run = runs.setdefault(label, {"seconds": [], "wall": [], "mfu": with_mfu})
+        run["seconds"].append(seconds)
+        run["wall"].append(wall)
+        run["hyps"] = hyps
+
       stops = args.beam_stops.split(",") if method == "beam" else ["exact"]
-      for lanes in (int(n) for n in args.concurrent_batches.split(",")):
-        for stop in stops:
-          options = dict(method=method, beam_size=4, batch_size=batch, beam_stop=stop,
-                         concurrent_batches=lanes)
-          translator.translate(sources, **options)  # every shape compiled
-          hyps = translator.translate(sources, **options)
-          stats = translator.last_stats
-          seconds = max(stats["seconds"] - stats["compile_seconds"], 1e-9)
-          speed = stats["sentences"] / seconds
-          wall = float("nan")
-          if args.commands:
-            command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
-                       f"--input={src_file}", f"--output={out / 'ours.out'}",
-                       f"--method={method}", f"--batch_size={batch}", f"--beam_stop={stop}",
-                       f"--concurrent_batches={lanes}"]
-            command_seconds(command)  # fills the compilation cache
-            (out / "ours.out").unlink()
-            wall = command_seconds(command)
-          label = "decode.py / Translator" + "".join(
-              f", {flag}" for flag, shown in ((f"{lanes} lane{'s' * (lanes > 1)}", lanes != 0),
-                                             (f"beam_stop={stop}", stop != "exact")) if shown)
-          rows.append((label, speed, wall, bleu(hyps, references), mfu(hyps, beam, seconds)))
-          same = sum(a == b for a, b in zip(hyps, float32_hyps))
-          notes.append(f"{method}, batch {batch} ({label}): {same} of {len(hyps)} translations "
-                       "identical to CTranslate2 float32's")
-      reference_speed = rows[0][1]
-      for engine, speed, wall, score, utilisation in rows:
-        shown = "–" if utilisation != utilisation else f"{utilisation:.1%}"  # (nan: int8)
-        print(f"| {engine} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
-              f"{wall:.1f} | {score:.1f} | {shown} |", flush=True)
+      for round_index in range(args.rounds):
+        for quantization, model_dir in exported.items():
+          if round_index == 0:
+            ct2_run(model_dir, src_file, out / "ct2.out", batch, beam, args.threads)  # (warm)
+          seconds, wall, hyps = ct2_run(model_dir, src_file, out / "ct2.out", batch, beam,
+                                        args.threads)
+          record(f"CTranslate2 {quantization}", seconds, wall, hyps,
+                 with_mfu=quantization == "float32")
+        for lanes in (int(n) for n in args.concurrent_batches.split(",")):
+          for stop in stops:
+            options = dict(method=method, beam_size=4, batch_size=batch, beam_stop=stop,
+                           concurrent_batches=lanes)
+            if round_index == 0:
+              translator.translate(sources, **options)  # every shape compiled
+            hyps = translator.translate(sources, **options)
+            stats = translator.last_stats
+            seconds = max(stats["seconds"] - stats["compile_seconds"], 1e-9)
+            wall = float("nan")
+            if args.commands:
+              command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
+                         f"--input={src_file}", f"--output={out / 'ours.out'}",
+                         f"--method={method}", f"--batch_size={batch}",
+                         f"--beam_stop={stop}", f"--concurrent_batches={lanes}"]
+              if round_index == 0:
+                command_seconds(command)  # fills the compilation cache
+              (out / "ours.out").unlink()
+              wall = command_seconds(command)
+            label = "decode.py / Translator" + "".join(
+                f", {flag}" for flag, shown in (
+                    (f"{lanes} lane{'s' * (lanes > 1)}", lanes != 0),
+                    (f"beam_stop={stop}", stop != "exact")) if shown)
+            record(label, seconds, wall, hyps)
+      float32_hyps = runs["CTranslate2 float32"]["hyps"] if "float32" in exported else None
+      reference_speed = None
+      for label, run in runs.items():
+        seconds, wall = statistics.median(run["seconds"]), statistics.median(run["wall"])
+        speed = len(sources) / seconds
+        reference_speed = reference_speed or speed
+        shown = f"{mfu(run['hyps'], beam, seconds):.1%}" if run["mfu"] else "–"  # (int8: –)
+        print(f"| {label} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
+              f"{wall:.1f} | {bleu(run['hyps'], references):.1f} | {shown} |", flush=True)
+        if label.startswith("decode.py") and float32_hyps is not None:
+          same = sum(a == b for a, b in zip(run["hyps"], float32_hyps))
+          notes.append(f"{method}, batch {batch} ({label}): {same} of {len(run['hyps'])} "
+                       "translations identical to CTranslate2 float32's")
   print("\n" + "\n".join(notes))
   if args.fixed_steps:
     fixed_step_table(translator, exported["float32"], src_file, out, sources, args)
