@@ -52,13 +52,14 @@ def test_the_least_recently_used_go_first_a_read_counts_as_a_use(tmp_path):
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith("jit")] == ["jit_d-cache"]
 
 
-def test_enable_bounds_jax_entries_and_leaves_subdirectories_alone(tmp_path, monkeypatch,
+def test_enable_bounds_jax_entries_and_leaves_everything_else_alone(tmp_path, monkeypatch,
                                                                    jax_cache_settings):
   decoders = tmp_path / "decoders"
   decoders.mkdir()
   kept_decoder = write(decoders / "old.bin", 5000, 10_000)
   entries = [write(tmp_path / f"jit_{i}-cache", 100, 1000 - i) for i in range(10)]
+  not_jax = write(tmp_path / "notes.txt", 100, 100_000)  # the oldest, but not JAX's
   monkeypatch.setattr(compile_cache, "MAX_JAX_BYTES", 450)
   assert compile_cache.enable(str(tmp_path)) == str(tmp_path)
   assert [p.exists() for p in entries] == [False] * 6 + [True] * 4  # the 4 newest
-  assert kept_decoder.exists()
+  assert kept_decoder.exists() and not_jax.exists()
