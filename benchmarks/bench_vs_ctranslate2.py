@@ -206,22 +206,23 @@ def main() -> int:
     exported[quantization] = Path(ctranslate2_export.export_workdir(
         args.workdir, str(out / f"ct2_{quantization}"), quantization=quantization, force=True))
   translator = loader.load_translator(args.workdir)
-  best_peak = [flops.matmul_rate(repeats=3)]  # FLOP/s, the best measured so far
+  best_peak = flops.matmul_rate(repeats=3)  # FLOP/s, the best measured so far
   print(f"{len(sources)} lines of {args.input}; {args.threads} threads; jax {jax.__version__} "
         f"on {jax.devices()[0].device_kind}; workdir {args.workdir}; float32 matmul peak "
-        f"{best_peak[0] / 1e9:.1f} GFLOP/s (2048^3; measured again before each block, the "
+        f"{best_peak / 1e9:.1f} GFLOP/s (2048^3; measured again before each block, the "
         "best kept)", flush=True)
   source_lengths = [len(translator.tokenizer.encode(s)) + 1 if s.strip() else 0  # (+ EOS)
                     for s in sources]
 
-  def mfu(hypotheses: list[str], hypotheses_per_input: int, seconds: float) -> float:
+  def mfu(hypotheses: list[str], hypotheses_per_input: int, seconds: float,
+          peak: float) -> float:
     """Model FLOPs utilisation of decoding `sources` into `hypotheses` (each
-    tokenized again: its tokens and EOS) in `seconds`."""
+    tokenized again: its tokens and EOS) in `seconds`, over `peak` FLOP/s."""
     target_lengths = [len(translator.tokenizer.encode(h)) + 1 if n else 0
                       for h, n in zip(hypotheses, source_lengths)]
     model_flops = flops.decoding_flops(translator.config, source_lengths, target_lengths,
                                        hypotheses_per_input)
-    return model_flops / seconds / best_peak[0]
+    return model_flops / seconds / peak
 
   print("\n| engine | method | batch | sentences/s (decoding) | vs CT2 float32 | "
         "whole command (s) | BLEU | MFU (decoding) |")
@@ -242,7 +243,7 @@ def main() -> int:
         run["hyps"] = hyps
 
       stops = args.beam_stops.split(",") if method == "beam" else ["exact"]
-      best_peak[0] = max(best_peak[0], flops.matmul_rate(repeats=3))
+      best_peak = max(best_peak, flops.matmul_rate(repeats=3))
       for round_index in range(args.rounds):
         for quantization, model_dir in exported.items():
           if round_index == 0:
@@ -281,14 +282,14 @@ def main() -> int:
         seconds, wall = statistics.median(run["seconds"]), statistics.median(run["wall"])
         speed = len(sources) / seconds
         reference_speed = reference_speed or speed
-        shown = f"{mfu(run['hyps'], beam, seconds):.1%}" if run["mfu"] else "–"  # (int8: –)
+        shown = f"{mfu(run['hyps'], beam, seconds, best_peak):.1%}" if run["mfu"] else "–"  # (int8: –)
         print(f"| {label} | {method} | {batch} | {speed:.1f} | {speed / reference_speed:.2f} | "
               f"{wall:.1f} | {bleu(run['hyps'], references):.1f} | {shown} |", flush=True)
         if label.startswith("decode.py") and float32_hyps is not None:
           same = sum(a == b for a, b in zip(run["hyps"], float32_hyps))
           notes.append(f"{method}, batch {batch} ({label}): {same} of {len(run['hyps'])} "
                        "translations identical to CTranslate2 float32's")
-  print(f"\nfloat32 matmul peak, the best measured: {best_peak[0] / 1e9:.1f} GFLOP/s")
+  print(f"\nfloat32 matmul peak, the best measured: {best_peak / 1e9:.1f} GFLOP/s")
   print("\n" + "\n".join(notes))
   if args.fixed_steps:
     fixed_step_table(translator, exported["float32"], src_file, out, sources, args)

@@ -152,26 +152,27 @@ def machine_load() -> str:
 # ----------------------------------------------------------------------------
 
 
-def _dot_generals(jaxpr, found: list, repeat: int = 1) -> None:
+def _dot_generals(jaxpr, found: list, repeat: int = 1, matrix_vector: bool = False) -> None:
   """Appends (lhs aval, rhs aval, dimension_numbers) of every matrix-matrix
   dot_general in `jaxpr` and its sub-jaxprs (a scan body's dots once per
   iteration). Matrix-vector products (an operand with no free dimension, such
   as the row sums of `layers.layer_norm`'s gradient) are reductions written as
-  dots, not model FLOPs: left out."""
+  dots, not model FLOPs: left out, unless `matrix_vector` (a decoding step's
+  attention of one query is one)."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       lhs, rhs = (v.aval for v in eqn.invars)
       numbers = eqn.params["dimension_numbers"]
-      if _free_size(lhs.shape, numbers[0][0], numbers[1][0]) > 1 < _free_size(
+      if matrix_vector or _free_size(lhs.shape, numbers[0][0], numbers[1][0]) > 1 < _free_size(
           rhs.shape, numbers[0][1], numbers[1][1]):
         found.extend([(lhs, rhs, numbers)] * repeat)
     times = repeat * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
     for param in eqn.params.values():
       for sub in param if isinstance(param, (list, tuple)) else (param,):
         if isinstance(sub, jax_core.ClosedJaxpr):
-          _dot_generals(sub.jaxpr, found, times)
+          _dot_generals(sub.jaxpr, found, times, matrix_vector)
         elif isinstance(sub, jax_core.Jaxpr):
-          _dot_generals(sub, found, times)
+          _dot_generals(sub, found, times, matrix_vector)
 
 
 def _free_size(shape, contracting, batch) -> int:
@@ -183,6 +184,15 @@ def dot_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
   (_, rhs_contract), (_, rhs_batch) = dimension_numbers
   free = [n for i, n in enumerate(rhs_shape) if i not in rhs_contract and i not in rhs_batch]
   return 2 * math.prod(lhs_shape) * math.prod(free)
+
+
+def dot_flops_of(fn: Callable, *args) -> int:
+  """The FLOPs of every dot_general `fn(*args)` performs, matrix-vector
+  products included (a scan body's once per iteration; every branch of a
+  `lax.cond` / `lax.switch` counted)."""
+  dots = []
+  _dot_generals(jax.make_jaxpr(fn)(*args).jaxpr, dots, matrix_vector=True)
+  return sum(dot_flops(lhs.shape, rhs.shape, numbers) for lhs, rhs, numbers in dots)
 
 
 def matmuls_alone(fn: Callable, *args):

@@ -93,19 +93,7 @@ def test_decoding_flop_model_counts_the_cached_steps_matmuls(monkeypatch):
       token = jnp.argmax(logits, axis=-1)
     return logits
 
-  def all_dot_flops(jaxpr) -> int:  # (matrix-vector products too: a step's attention is)
-    total = 0
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general":
-        lhs, rhs = (v.aval for v in eqn.invars)
-        total += common.dot_flops(lhs.shape, rhs.shape, eqn.params["dimension_numbers"])
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (list, tuple)) else (param,):
-          if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
-            total += all_dot_flops(getattr(sub, "jaxpr", sub))
-    return total
-
-  measured = all_dot_flops(jax.make_jaxpr(decode)(params).jaxpr)
+  measured = common.dot_flops_of(decode, params)  # (a step's attention: matrix-vector)
   unfilled = 4 * config.d_model * config.num_decoder_layers * tgt_len * (tgt_len - 1) // 2
   assert measured == flops.decoding_flops(config, [src_len], [tgt_len]) + unfilled
   # Hypotheses multiply the target's part only.
