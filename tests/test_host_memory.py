@@ -11,27 +11,40 @@ from transformer.runtime import host_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A computation with a 64 MB temporary buffer ((x * 2)^T, materialised for the
+# A computation with a 48 MB temporary buffer ((x * 2)^T, materialised for the
 # matrix product), called 12 times to settle, then 8 times more; prints the
-# minor page faults of each of the last 8 calls. 64 MB is above the largest
-# size glibc ever serves from its heap by default (32 MB), so without the
-# settings every call maps the buffer afresh. (XLA frees the buffer just after
-# the result is ready, so a call can still find it not yet freed and take a
-# new block; a pause between calls makes that rare, and the test asks for half
-# the faults or fewer, not none.)
+# minor page faults of each of the last 8 calls. 48 MB is above the largest
+# block glibc ever serves from its heaps by default (32 MB), so without the
+# settings every call maps the buffer afresh, and below the 64 MB a thread's
+# own heap can hold (larger blocks glibc maps for such a thread whatever the
+# settings). (XLA frees the buffer just after the result is ready, so a call
+# can still find it not yet freed and take a new block; a pause between calls
+# makes that rare, and the test asks for half the faults or fewer, not none.)
+# argv[1]: "on" applies keep_freed_memory() (one heap), "per_thread" applies
+# keep_freed_memory(one_heap=False) and makes the calls from a thread of
+# their own (as decode.py's lanes do: that thread allocates from a heap of
+# its own), "off" leaves glibc's defaults.
 _PROBE = """
-import resource, sys, time
+import resource, sys, threading, time
 from transformer.runtime import host_memory
-applied = host_memory.keep_freed_memory() if sys.argv[1] == "on" else False
+mode = sys.argv[1]
+applied = host_memory.keep_freed_memory(one_heap=mode == "on") if mode != "off" else False
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: jnp.sum((x * 2.0).T @ w))
-x, w = jnp.ones((4096, 4096), jnp.float32), jnp.ones((4096, 64), jnp.float32)
 faults = []
-for call in range(20):
-  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-  jax.block_until_ready(f(x, w))
-  faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-  time.sleep(0.02)  # let XLA free the call's buffer before the next call asks
+def calls():
+  x, w = jnp.ones((3072, 4096), jnp.float32), jnp.ones((3072, 64), jnp.float32)
+  for call in range(20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(f(x, w))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    time.sleep(0.02)  # let XLA free the call's buffer before the next call asks
+if mode == "per_thread":
+  thread = threading.Thread(target=calls)
+  thread.start()
+  thread.join()
+else:
+  calls()
 print(applied, *faults[12:])
 """
 
@@ -50,11 +63,36 @@ def test_keep_freed_memory_stops_per_call_page_faults():
   applied, faults_on = _faults("on")
   assert applied
   _, faults_off = _faults("off")
-  pages = 64 * 1024 * 1024 // 4096
+  pages = 48 * 1024 * 1024 // 4096
   # The premise: without the settings every call faults its buffer in.
   assert all(n >= pages * 9 // 10 for n in faults_off), faults_off
   # With them, most calls fault (almost) nothing: at most half as many in all.
   assert sum(faults_on) <= sum(faults_off) // 2, (faults_on, faults_off)
+  # So with a heap per thread (decode.py), calls from a thread of their own.
+  applied, faults_per_thread = _faults("per_thread")
+  assert applied
+  assert sum(faults_per_thread) <= sum(faults_off) // 2, (faults_per_thread, faults_off)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_one_heap_is_train_py_s_alone(monkeypatch):
+  """keep_freed_memory() limits glibc to one heap (arena); with one_heap=False
+  (decode.py) the heaps are left as glibc makes them, and the rest is the same."""
+  calls = []
+
+  class FakeLibc:
+    def mallopt(self, option, value):
+      calls.append((option, value))
+      return 1
+
+  monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: FakeLibc())
+  monkeypatch.setattr(host_memory, "runs_on_cpu", lambda: True)
+  M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
+  assert host_memory.keep_freed_memory()
+  assert sorted(calls) == sorted([(M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)])
+  calls.clear()
+  assert host_memory.keep_freed_memory(one_heap=False)
+  assert sorted(calls) == sorted([(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)])
 
 
 def test_keep_freed_memory_can_be_turned_off(monkeypatch):
