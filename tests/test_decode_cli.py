@@ -337,7 +337,8 @@ def test_second_decode_compiles_nothing(workdir, env, tmp_path):
   $TRANSFORMER_COMPILATION_CACHE names): the first decode.py run writes its
   compiled programs there and its decoders whole (executable_cache.py), the
   second finds them all (it writes no new one, and loads every decoder instead
-  of tracing it) and translates the same; --compilation_cache=off writes nothing."""
+  of tracing it: JAX compiles no program at all, not even a PRNG key's) and
+  translates the same; --compilation_cache=off writes nothing."""
   cache = tmp_path / "cache"
   env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
   env["TRANSFORMER_COMPILATION_CACHE"] = str(cache)
@@ -347,7 +348,9 @@ def test_second_decode_compiles_nothing(workdir, env, tmp_path):
   assert entries, "the first run cached nothing"
   decoders = sorted(p.name for p in (cache / "decoders").iterdir())
   assert decoders, "the first run kept no compiled decoder"
-  second = _ok(run_decode(env, *flags[:-1], stdin=_text(LINES)))  # (with its summary)
+  second = _ok(run_decode(dict(env, JAX_LOG_COMPILES="1"), *flags[:-1],  # (with its summary)
+                          stdin=_text(LINES)))
+  assert "Compiling" not in second.stderr_text, second.stderr_text
   assert sorted(p.name for p in cache.iterdir()) == entries  # every program was a hit
   assert sorted(p.name for p in (cache / "decoders").iterdir()) == decoders
   compiled = [name for name in decoders if name.endswith(".bin")]  # (and the params' shapes)

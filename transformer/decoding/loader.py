@@ -50,10 +50,11 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   tokenizer = load_tokenizer(vocab_path(workdir))
   # The parameters' shapes, traced from the model once and then kept with the
   # compiled decoders (a trace of the whole model at every start otherwise;
-  # `model.init_params` is imported only then: `transformer.model.__getattr__`).
+  # `model.init_params` is imported only then: `transformer.model.__getattr__`;
+  # the key by its shape alone: making one compiles a small program).
   target = executable_cache.load_or_eval_shape(
       {"model": model_config.to_dict(), "of": "init_params"},
-      lambda rng: model.init_params(model_config, rng), jax.random.key(0))
+      lambda rng: model.init_params(model_config, rng), jax.eval_shape(jax.random.key, 0))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,

@@ -180,11 +180,12 @@ class Translator:
                  beam_stop: str = "exact", shrink: bool = True, log_probs: bool = True,
                  packed: bool = False, search_len: int = 0):
     """The jitted decoder of one batch shape:
-    (params, logits_kernel, inputs [batch, src_len], rng, row_lines [batch],
+    (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
     row_copies [batch], length_penalty, temperature, top_p, min_len, packing) ->
     (sequences [batch, n, max_len], scores [batch, n], done [batch]). `translate_hypotheses`
     compiles it once per shape (`self._executables`). Sampling draws row r's
-    tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`: a line's
+    tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`, `rng`
+    the PRNG key whose `jax.random.key_data` is `key_data`: a line's
     sample depends on the seed and its line number only. A temperature of 1 or
     a top_p of 1 (`temperature_on`, `top_p_on` False) is left out of the
     program (no division, no sort of the vocabulary). Beam search stops an
@@ -201,7 +202,7 @@ class Translator:
     go on in a longer search (`batching.first_search_length`)."""
     cfg, model = self.config, self.model
 
-    def run(params, logits_kernel, inputs, rng, row_lines, row_copies, length_penalty,
+    def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, length_penalty,
             temperature, top_p, min_len, packing):
       if packed:  # the encoder on the sentences packed several to a row
         encoded = source_packing.encode_packed(
@@ -235,6 +236,7 @@ class Translator:
                                               **common)
       else:
         fold_in = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
+        rng = jax.random.wrap_key_data(key_data)
         row_keys = jax.vmap(jax.random.fold_in)(fold_in(rng, row_lines), row_copies)
         seqs, scores = sampling.sample(
             tokens_to_logits, state(), rng=row_keys,
@@ -366,7 +368,10 @@ class Translator:
     options = (float(length_penalty), float(temperature), float(top_p), int(min_len))
     switches = (temperature != 1.0, top_p < 1.0) if method == "sample" else (False, False)
     log_probs = scores or method == "beam" or n_best > 1
-    rng = jax.random.key(seed)
+    # The sampling key, as its raw data: only sampling makes it, since making a
+    # key compiles a small program (0.03 s of every decode.py start otherwise).
+    key_data = (np.asarray(jax.random.key_data(jax.random.key(seed))) if method == "sample"
+                else np.zeros(2, np.uint32))
     batches = []  # (shape, member indices)
     inputs_per_batch = lambda src_len: max(
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
@@ -397,7 +402,7 @@ class Translator:
       packing = (tuple(source_packing.pack([ids for ids in sources for _ in range(copies)],
                                            rows, shape[2]))
                  if _decoder_option(shape, "packed") else ())
-      return inputs, rng, row_lines, row_copies, *options, packing
+      return inputs, key_data, row_lines, row_copies, *options, packing
 
     searched_again = []  # (shape, members): inputs a first search left unfinished
 
@@ -422,10 +427,10 @@ class Translator:
       rows = batching.unpack_hypotheses(seqs, scores, len(members), copies, n_best)
       ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
-      # Beam scores are log p / lp(length): log p is the score times lp (one
-      # call for the batch, not one per hypothesis).
-      lps = (np.asarray(decoding.gnmt_length_penalty(lengths, length_penalty))
-             if method == "beam" else np.ones(lengths.shape))
+      # Beam scores are log p / lp(length): log p is the score times lp, here
+      # `decoding.gnmt_length_penalty` in float64 numpy (in jax it compiled 4
+      # small programs at a process's first beam batch).
+      lps = ((5.0 + lengths) / 6.0) ** length_penalty if method == "beam" else np.ones(lengths.shape)
       tokens = 0
       for k, (i, hyps) in enumerate(zip(members, rows)):
         results[i] = sorted(
