@@ -17,8 +17,8 @@ Or with sentence pairs held in memory:
 
 On Linux, `transformer.keep_freed_memory()` before the first computation
 makes every training step on CPU 10-15% faster (see `transformer.runtime.host_memory`;
-train.py calls it itself; decode.py leaves glibc's defaults, for the reason
-the module gives).
+train.py calls it itself). For decoding with a Translator, whose lanes are
+threads, `keep_freed_memory(one_heap=False)`, as decode.py calls it.
 
 The library, in sub-packages by layer (docs/architecture.md); imports go one
 way, from the top of this list down:
