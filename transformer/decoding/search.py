@@ -69,6 +69,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from transformer.decoding.loops import (PyTree, Shrink, _decode_loop, _map_batched,
@@ -86,13 +87,16 @@ TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
 # ---------------------------------------------------------------------------
 
 
-def gnmt_length_penalty(length, alpha):
+def gnmt_length_penalty(length, alpha, xp=jnp):
   """GNMT length penalty lp(length) = ((5 + length) / 6) ** alpha (Wu et al. 2016).
 
   A hypothesis' beam-search score is log p(y) / lp(|y|), where |y| counts the
-  EOS token. alpha = 0 disables the normalisation (lp = 1).
+  EOS token. alpha = 0 disables the normalisation (lp = 1). `xp`: jax.numpy
+  (in a program, float32) or numpy (on the host, float64: no program is
+  compiled for it).
   """
-  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+  dtype = jnp.float32 if xp is jnp else np.float64
+  return ((5.0 + xp.asarray(length, dtype)) / 6.0) ** alpha
 
 
 def _check_cache(cache: PyTree, batch_size: int) -> None:

@@ -427,10 +427,10 @@ class Translator:
       rows = batching.unpack_hypotheses(seqs, scores, len(members), copies, n_best)
       ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
-      # Beam scores are log p / lp(length): log p is the score times lp, here
-      # `decoding.gnmt_length_penalty` in float64 numpy (in jax it compiled 4
-      # small programs at a process's first beam batch).
-      lps = ((5.0 + lengths) / 6.0) ** length_penalty if method == "beam" else np.ones(lengths.shape)
+      # Beam scores are log p / lp(length): log p is the score times lp (in
+      # numpy: in jax it compiled 4 small programs at a process's first beam batch).
+      lps = (decoding.gnmt_length_penalty(lengths, length_penalty, xp=np)
+             if method == "beam" else np.ones(lengths.shape))
       tokens = 0
       for k, (i, hyps) in enumerate(zip(members, rows)):
         results[i] = sorted(
