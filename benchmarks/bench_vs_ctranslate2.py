@@ -206,7 +206,10 @@ def main() -> int:
     exported[quantization] = Path(ctranslate2_export.export_workdir(
         args.workdir, str(out / f"ct2_{quantization}"), quantization=quantization, force=True))
   translator = loader.load_translator(args.workdir)
-  best_peak = flops.matmul_rate(repeats=3)  # FLOP/s, the best measured so far
+  # FLOP/s, the best measured so far. At the start, the best of 20 (0.4-0.8 s):
+  # the first few matmuls after the export ran up to 1.2x slower (388 against
+  # 463 GFLOP/s), and the first block's MFU was reckoned over that.
+  best_peak = flops.matmul_rate(repeats=20)
   print(f"{len(sources)} lines of {args.input}; {args.threads} threads; jax {jax.__version__} "
         f"on {jax.devices()[0].device_kind}; workdir {args.workdir}; float32 matmul peak "
         f"{best_peak / 1e9:.1f} GFLOP/s (2048^3; measured again before each block, the "
