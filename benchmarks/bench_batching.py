@@ -22,7 +22,16 @@ source padding. On real text, for a trained model.
    every 2 steps (`loops.EARLY_EXIT_CHUNK`), the longest batches decoded
    first (`translator.LONGEST_FIRST`); the same with checks every 4 steps;
    and as before 2026-11-26 (`per_bucket_batches`: one length bucket per
-   batch, checks every 8 steps, shortest first).
+   batch, checks every 8 steps, shortest first). `--shrink_factors=4,2`
+   adds the batches shrinking by other factors than `translator.SHRINK_FACTOR`
+   (smaller steps, fewer wasted row-steps, one more compiled step size per
+   halving: the table gives each variant's compile seconds and compiled
+   instructions, what a warm `decode.py` pays again to load them), both
+   to the accounting and to the timing.
+
+Timing alternates the variants in one process, each with its own decoders
+compiled first: process-to-process swings on a 2-core machine (5-15% in
+a run of the same code) are larger than the effects measured here.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_vs_ctranslate2 import add_model_and_input_arguments, read_input
 from transformer.decoding import batching as batching_lib, loader, loops, source_packing
 from transformer.decoding import translator as translator_lib
+from transformer.decoding.options import BEAM_STOPS
 
 BATCHINGS = ("consecutive", "per bucket")
 
@@ -120,13 +130,19 @@ def packed_read(members: list[list[int]], rows: int, length: int) -> int:
   return -(-in_use // chunk) * chunk * length
 
 
+def shrink_sizes(translator, batch: int, factor: int) -> list[int]:
+  """The batch sizes a decoding batch of `batch` rows goes through when it
+  shrinks by `factor` (`translator._shrink`'s ladder with another factor)."""
+  shrink = translator._shrink(translator.shrink_batches)
+  return shrink._replace(factor=factor).sizes(batch) if shrink is not None else [batch]
+
+
 def accounting(translator, encoded, generated, batch_sizes, chunks):
   """Rows of the accounting table (part 1)."""
   max_length, rows = translator.config.max_len, []
   source = sum(map(len, encoded))
   for batch in batch_sizes:
-    shrink = translator._shrink(translator.shrink_batches)
-    sizes = shrink.sizes(batch) if shrink is not None else [batch]
+    sizes = shrink_sizes(translator, batch, translator_lib.SHRINK_FACTOR)
     for batching in BATCHINGS:
       batches = make_batches(batching, encoded, max_length, batch)
       read = sum(batch * src_len for src_len, _ in batches)
@@ -141,48 +157,78 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
   return rows
 
 
-# (batching, early-exit check every, decoded longest batches first): the
-# settings of `batching.length_batches`, `loops.EARLY_EXIT_CHUNK` and
-# `translator.LONGEST_FIRST` each timed variant runs with. The first: now.
-VARIANTS = {("consecutive", 2, True): (batching_lib.length_batches, 2, True),
-            ("consecutive", 4, True): (batching_lib.length_batches, 4, True),
-            ("per bucket", 8, False): (per_bucket_batches, 8, False)}
-BASELINE = ("per bucket", 8, False)  # before 2026-11-26
+# (batching, early-exit check every, decoded longest batches first, shrink
+# factor): the settings of `batching.length_batches`, `loops.EARLY_EXIT_CHUNK`,
+# `translator.LONGEST_FIRST` and `translator.SHRINK_FACTOR` each timed variant
+# runs with. The first: now.
+NOW = translator_lib.SHRINK_FACTOR
+VARIANTS = {("consecutive", 2, True, NOW): (batching_lib.length_batches, 2, True, NOW),
+            ("consecutive", 4, True, NOW): (batching_lib.length_batches, 4, True, NOW),
+            ("per bucket", 8, False, NOW): (per_bucket_batches, 8, False, NOW)}
+BASELINE = ("per bucket", 8, False, NOW)  # before 2026-11-26
 
 
-def _set(form, chunk, longest_first) -> None:
+def variants(shrink_factors: list[int]) -> dict:
+  """VARIANTS and, for each other shrink factor, today's batching with it."""
+  more = {("consecutive", 2, True, f): (batching_lib.length_batches, 2, True, f)
+          for f in shrink_factors if f != NOW}
+  return {**VARIANTS, **more}
+
+
+def _set(form, chunk, longest_first, shrink_factor) -> None:
   batching_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # (read when tracing)
-  translator_lib.LONGEST_FIRST = longest_first
+  translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR = longest_first, shrink_factor
 
 
-def timing(translator, lines, method, batch, repeats):
-  """{variant: (median seconds, translations)} (part 2)."""
+def compiled_instructions(translator) -> int:
+  """HLO instructions in the decoders a Translator compiled (what loading
+  them again costs: docs/benchmarks.md, "Side by side")."""
+  return sum(sum(" = " in line for line in executable.as_text().splitlines())
+             for executable in translator._executables.values())
+
+
+def timing(translator, lines, method, batch, repeats, beam_stop="exact",
+           shrink_factors=(NOW,)):
+  """{variant: (median seconds, translations, compile seconds, compiled
+  instructions)} (part 2)."""
   defaults = (batching_lib.length_batches, loops.EARLY_EXIT_CHUNK,
-              translator_lib.LONGEST_FIRST)
-  translators, seconds, outputs = {}, {}, {}
+              translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR)
+  options = dict(method=method, batch_size=batch,
+                 **({"beam_stop": beam_stop} if method == "beam" else {}))
+  timed = variants(list(shrink_factors))
+  translators, seconds, outputs, compiling = {}, {}, {}, {}
   try:
-    for variant, settings in VARIANTS.items():
+    for variant, settings in timed.items():
       _set(*settings)
       fresh = translator_lib.Translator(translator.config, translator.params,
                                         translator.tokenizer)
-      fresh.translate(lines, method=method, batch_size=batch)  # compiles every shape
+      fresh.translate(lines, **options)  # compiles every shape
+      compiling[variant] = (fresh.last_stats["compile_seconds"], compiled_instructions(fresh))
       translators[variant], seconds[variant] = fresh, []
     for _ in range(repeats):
       for variant, fresh in translators.items():
-        _set(*VARIANTS[variant])
+        _set(*timed[variant])
         start = time.perf_counter()
-        outputs[variant] = fresh.translate(lines, method=method, batch_size=batch)
+        outputs[variant] = fresh.translate(lines, **options)
         seconds[variant].append(time.perf_counter() - start)
   finally:
     _set(*defaults)
-  return {key: (statistics.median(s), outputs[key]) for key, s in seconds.items()}
+  return {key: (statistics.median(s), outputs[key], *compiling[key])
+          for key, s in seconds.items()}
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_model_and_input_arguments(parser)
   parser.add_argument("--repeats", type=int, default=3, help="timed rounds (0: accounting only)")
+  parser.add_argument("--shrink_factors", default=str(NOW),
+                      help="comma-separated: the shrink factors to account for and time "
+                           f"(translator.SHRINK_FACTOR, now {NOW}, always)")
+  parser.add_argument("--beam_stop", default="exact", choices=BEAM_STOPS,
+                      help="beam search's early-exit bound (decode.py --beam_stop)")
   args = parser.parse_args(argv)
+  shrink_factors = sorted({NOW, *(int(f) for f in args.shrink_factors.split(","))},
+                          key=lambda f: f != NOW)
   lines, _ = read_input(Path(args.input), args.lines)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
   translator = loader.load_translator(args.workdir)
@@ -220,23 +266,37 @@ def main(argv=None) -> int:
                 for _, members in queues)
       print(f"| {batch} | {label} | {sum(generated) / run:.1%} "
             f"| {now[batch, 'consecutive', 2]:.1%} |", flush=True)
+  if len(shrink_factors) > 1:
+    print("\nShrinking by other factors (consecutive batches, checks every 2 steps)")
+    print("| batch | shrink by | step sizes compiled | decoder row-steps that generate a token |")
+    print("|---|---|---|---|")
+    for batch in batch_sizes:
+      batches = make_batches("consecutive", encoded, translator.config.max_len, batch)
+      for factor in shrink_factors:
+        sizes = shrink_sizes(translator, batch, factor)
+        run = sum(row_steps([generated[i] for i in members], batch, 2, sizes)
+                  for _, members in batches)
+        print(f"| {batch} | {factor} | {', '.join(map(str, sizes))} "
+              f"| {sum(generated) / run:.1%} |", flush=True)
   if not args.repeats:
     return 0
-  print(f"\n| method | batch | batching, check every, order | seconds (median of "
+  print(f"\n| method | batch | batching, check every, order, shrink by | seconds (median of "
         f"{args.repeats}) | sentences/s | vs per bucket, 8, shortest first "
-        "| translations the same |")
-  print("|---|---|---|---|---|---|---|")
+        "| translations the same | compiling (s) | compiled instructions |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for method in args.methods.split(","):
     for batch in batch_sizes:
-      results = timing(translator, lines, method, batch, args.repeats)
-      base_seconds, base_out = results[BASELINE]
-      for (batching, chunk, longest), (s, out) in sorted(results.items(),
-                                                         key=lambda kv: -kv[1][0]):
+      results = timing(translator, lines, method, batch, args.repeats, args.beam_stop,
+                       shrink_factors)
+      base_seconds, base_out, _, _ = results[BASELINE]
+      for (batching, chunk, longest, factor), (s, out, compiling, instructions) in sorted(
+          results.items(), key=lambda kv: -kv[1][0]):
         same = sum(a == b for a, b in zip(out, base_out))
         order = "longest first" if longest else "shortest first"
-        print(f"| {method} | {batch} | {batching}, {chunk}, {order} | {s:.2f} "
-              f"| {len(lines) / s:.1f} | {base_seconds / s:.2f}x | {same} of {len(lines)} |",
-              flush=True)
+        label = method + (f" ({args.beam_stop})" if method == "beam" else "")
+        print(f"| {label} | {batch} | {batching}, {chunk}, {order}, {factor} | {s:.2f} "
+              f"| {len(lines) / s:.1f} | {base_seconds / s:.2f}x | {same} of {len(lines)} "
+              f"| {compiling:.1f} | {instructions} |", flush=True)
   return 0
 
 

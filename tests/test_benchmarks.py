@@ -411,3 +411,24 @@ def test_batching_benchmark_counts_the_packed_source_read_in_whole_chunks():
   members = [[5] * n for n in (2, 5, 3, 1, 3, 2)]
   assert bench_batching.packed_read(members, rows=16, length=8) == 64
   assert bench_batching.packed_read([[5] * 8] * 9, rows=16, length=8) == 128
+
+
+def test_batching_benchmark_shrink_sizes_follow_the_translators_ladder_by_any_factor():
+  """bench_batching.shrink_sizes: the translator's own shrink rule (at least
+  SHRINK_MIN_ROWS = 8 rows, a multiple of its devices) with the factor
+  replaced; the ladders by hand. No shrinking (shrink_batches off): the
+  batch alone."""
+  import types
+  import numpy as np
+  from benchmarks import bench_batching
+  from transformer.decoding import translator as translator_lib
+  fake = types.SimpleNamespace(shrink_batches=True, mesh=types.SimpleNamespace(
+      devices=np.zeros(1)), config=types.SimpleNamespace(scan_layers=False))
+  fake._shrink = lambda shrink: translator_lib.Translator._shrink(fake, shrink)
+  assert bench_batching.shrink_sizes(fake, 128, 4) == [128, 32, 8]
+  assert bench_batching.shrink_sizes(fake, 128, 2) == [128, 64, 32, 16, 8]
+  assert bench_batching.shrink_sizes(fake, 32, 2) == [32, 16, 8]
+  assert bench_batching.shrink_sizes(fake, 32, 4) == [32, 8]
+  assert bench_batching.shrink_sizes(fake, 24, 2) == [24, 12]
+  fake.shrink_batches = False
+  assert bench_batching.shrink_sizes(fake, 128, 2) == [128]
