@@ -29,6 +29,13 @@ source padding. On real text, for a trained model.
    instructions, what a warm `decode.py` pays again to load them), both
    to the accounting and to the timing.
 
+3. **Counting** (`--count_steps`): the input-steps the decoders really run
+   (every step of every batch, shrinking included: each step reports its
+   batch's inputs to the host), for each method and shrink factor, against
+   the tokens of the translations kept: what part 1 computes for greedy,
+   measured, and for beam search, whose inputs end by its stopping rule
+   rather than at their EOS.
+
 Timing alternates the variants in one process, each with its own decoders
 compiled first: process-to-process swings on a 2-core machine (5-15% in
 a run of the same code) are larger than the effects measured here.
@@ -45,7 +52,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_vs_ctranslate2 import add_model_and_input_arguments, read_input
-from transformer.decoding import batching as batching_lib, loader, loops, source_packing
+import jax
+
+from transformer.decoding import batching as batching_lib, loader, loops, search, source_packing
 from transformer.decoding import translator as translator_lib
 from transformer.decoding.options import BEAM_STOPS
 
@@ -217,6 +226,37 @@ def timing(translator, lines, method, batch, repeats, beam_stop="exact",
           for key, s in seconds.items()}
 
 
+def counted_input_steps(translator, lines, method, batch, beam_stop="exact",
+                        shrink_factor=NOW) -> tuple[int, int]:
+  """(input-steps run, tokens of the translations kept) of translating
+  `lines`: decoders compiled afresh with a step that tells the host how
+  many inputs its batch holds (a `jax.debug.callback`, so the counting
+  slows them down: not for timing). Beam search's steps are per input (each
+  runs its beams' rows)."""
+  counts = []  # (appended to, not added up: lanes' callbacks run in threads side by side)
+
+  def count(inputs):
+    counts.append(int(inputs))
+
+  def counting_loop(step_fn, *args, **kwargs):
+    def counted(state):  # state.last_tokens: [inputs] (greedy) or [inputs, beams]
+      jax.debug.callback(count, state.last_tokens.shape[0])
+      return step_fn(state)
+    return original(counted, *args, **kwargs)
+
+  original, factor = search._shrinking_loop, translator_lib.SHRINK_FACTOR
+  search._shrinking_loop, translator_lib.SHRINK_FACTOR = counting_loop, shrink_factor
+  try:
+    fresh = translator_lib.Translator(translator.config, translator.params,
+                                      translator.tokenizer)
+    hypotheses = fresh.translate_hypotheses(
+        lines, method=method, batch_size=batch,
+        **({"beam_stop": beam_stop} if method == "beam" else {}))
+  finally:
+    search._shrinking_loop, translator_lib.SHRINK_FACTOR = original, factor
+  return sum(counts), sum(h[0].length for h in hypotheses if h)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_model_and_input_arguments(parser)
@@ -224,6 +264,8 @@ def main(argv=None) -> int:
   parser.add_argument("--shrink_factors", default=str(NOW),
                       help="comma-separated: the shrink factors to account for and time "
                            f"(translator.SHRINK_FACTOR, now {NOW}, always)")
+  parser.add_argument("--count_steps", action="store_true",
+                      help="also count the input-steps the decoders run (part 3)")
   parser.add_argument("--beam_stop", default="exact", choices=BEAM_STOPS,
                       help="beam search's early-exit bound (decode.py --beam_stop)")
   args = parser.parse_args(argv)
@@ -278,6 +320,19 @@ def main(argv=None) -> int:
                   for _, members in batches)
         print(f"| {batch} | {factor} | {', '.join(map(str, sizes))} "
               f"| {sum(generated) / run:.1%} |", flush=True)
+  if args.count_steps:
+    print("\nCounted: input-steps the decoders run / tokens of the translations kept "
+          "(EOS included; beam: per input, 4 rows each)")
+    print("| method | batch | shrink by | input-steps | tokens | input-steps per token |")
+    print("|---|---|---|---|---|---|")
+    for method in args.methods.split(","):
+      label = method + (f" ({args.beam_stop})" if method == "beam" else "")
+      for batch in batch_sizes:
+        for factor in shrink_factors:
+          steps, tokens = counted_input_steps(translator, lines, method, batch,
+                                              args.beam_stop, factor)
+          print(f"| {label} | {batch} | {factor} | {steps} | {tokens} | {steps / tokens:.2f} |",
+                flush=True)
   if not args.repeats:
     return 0
   print(f"\n| method | batch | batching, check every, order, shrink by | seconds (median of "

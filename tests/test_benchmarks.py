@@ -432,3 +432,30 @@ def test_batching_benchmark_shrink_sizes_follow_the_translators_ladder_by_any_fa
   assert bench_batching.shrink_sizes(fake, 24, 2) == [24, 12]
   fake.shrink_batches = False
   assert bench_batching.shrink_sizes(fake, 128, 2) == [128]
+
+
+def test_batching_benchmark_counts_the_steps_decoders_run_as_its_arithmetic_does():
+  """bench_batching.counted_input_steps (the real decoders, each step
+  reporting its batch's inputs, lanes side by side) against row_steps (the
+  arithmetic of part 1, from the translations' lengths): the same total for
+  greedy search on the tiny fixture model, 18 lines in batches of 8, and
+  the tokens counted are the translations' own."""
+  from pathlib import Path
+  from benchmarks import bench_batching
+  from transformer.decoding import loader
+  translator = loader.load_translator(
+      Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb")
+  lines = ["one old apple", "six hundred thirty-seven old apples and one big child",
+           "two big children", "three red cars and one small dog", "nine",
+           "twelve new houses"] * 3
+  lengths = [h[0].length for h in translator.translate_hypotheses(lines, method="greedy",
+                                                                   batch_size=8)]
+  encoded, _ = translator._encode(lines)
+  sizes = bench_batching.shrink_sizes(translator, 8, 4)
+  expected = sum(bench_batching.row_steps([lengths[i] for i in members], 8, 2, sizes)
+                 for _, members in bench_batching.make_batches(
+                     "consecutive", encoded, translator.config.max_len, 8))
+  steps, tokens = bench_batching.counted_input_steps(translator, lines, "greedy", 8,
+                                                     shrink_factor=4)
+  assert (steps, tokens) == (expected, sum(lengths))
+  assert steps > tokens  # (a batch of 8 runs rows past their sentences' ends)
