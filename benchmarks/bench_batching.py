@@ -322,7 +322,7 @@ def main(argv=None) -> int:
               f"| {sum(generated) / run:.1%} |", flush=True)
   if args.count_steps:
     print("\nCounted: input-steps the decoders run / tokens of the translations kept "
-          "(EOS included; beam: per input, 4 rows each)")
+          "(EOS included; beam: per input, its beams' rows each)")
     print("| method | batch | shrink by | input-steps | tokens | input-steps per token |")
     print("|---|---|---|---|---|---|")
     for method in args.methods.split(","):
