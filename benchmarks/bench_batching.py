@@ -95,6 +95,14 @@ def row_steps(steps_needed: list[int], batch: int, chunk: int, sizes: list[int])
   return total
 
 
+def batches_row_steps(generated: list[int], batches, batch: int, chunk: int,
+                      sizes: list[int]) -> int:
+  """`row_steps` summed over `batches` [(src_len, member indices)] of `batch`
+  rows, `generated[i]` the steps input i needs."""
+  return sum(row_steps([generated[i] for i in members], batch, chunk, sizes)
+             for _, members in batches)
+
+
 def continuous_row_steps(steps_needed: list[int], chunk: int) -> int:
   """Rows x steps if every row were refilled with the next sentence at the
   first check after its sentence ends (continuous batching, not built: the
@@ -159,8 +167,7 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
                    for src_len, members in batches)
       filled = sum(len(members) for _, members in batches) / (len(batches) * batch)
       for chunk in chunks:
-        run = sum(row_steps([generated[i] for i in members], batch, chunk, sizes)
-                  for _, members in batches)
+        run = batches_row_steps(generated, batches, batch, chunk, sizes)
         rows.append((batch, batching, chunk, len(batches), filled, sum(generated) / run,
                      source / read, source / packed))
   return rows
@@ -196,21 +203,34 @@ def compiled_instructions(translator) -> int:
              for executable in translator._executables.values())
 
 
+def _fresh_translator(translator):
+  """A Translator of the same model with no decoders yet: they compile
+  under the module settings of the moment."""
+  return translator_lib.Translator(translator.config, translator.params, translator.tokenizer)
+
+
+def _decode_options(method: str, batch: int, beam_stop: str) -> dict:
+  return dict(method=method, batch_size=batch,
+              **({"beam_stop": beam_stop} if method == "beam" else {}))
+
+
+def _label(method: str, beam_stop: str) -> str:
+  return method + (f" ({beam_stop})" if method == "beam" else "")
+
+
 def timing(translator, lines, method, batch, repeats, beam_stop="exact",
            shrink_factors=(NOW,)):
   """{variant: (median seconds, translations, compile seconds, compiled
   instructions)} (part 2)."""
   defaults = (batching_lib.length_batches, loops.EARLY_EXIT_CHUNK,
               translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR)
-  options = dict(method=method, batch_size=batch,
-                 **({"beam_stop": beam_stop} if method == "beam" else {}))
+  options = _decode_options(method, batch, beam_stop)
   timed = variants(list(shrink_factors))
   translators, seconds, outputs, compiling = {}, {}, {}, {}
   try:
     for variant, settings in timed.items():
       _set(*settings)
-      fresh = translator_lib.Translator(translator.config, translator.params,
-                                        translator.tokenizer)
+      fresh = _fresh_translator(translator)
       fresh.translate(lines, **options)  # compiles every shape
       compiling[variant] = (fresh.last_stats["compile_seconds"], compiled_instructions(fresh))
       translators[variant], seconds[variant] = fresh, []
@@ -247,11 +267,8 @@ def counted_input_steps(translator, lines, method, batch, beam_stop="exact",
   original, factor = search._shrinking_loop, translator_lib.SHRINK_FACTOR
   search._shrinking_loop, translator_lib.SHRINK_FACTOR = counting_loop, shrink_factor
   try:
-    fresh = translator_lib.Translator(translator.config, translator.params,
-                                      translator.tokenizer)
-    hypotheses = fresh.translate_hypotheses(
-        lines, method=method, batch_size=batch,
-        **({"beam_stop": beam_stop} if method == "beam" else {}))
+    hypotheses = _fresh_translator(translator).translate_hypotheses(
+        lines, **_decode_options(method, batch, beam_stop))
   finally:
     search._shrinking_loop, translator_lib.SHRINK_FACTOR = original, factor
   return sum(counts), sum(h[0].length for h in hypotheses if h)
@@ -316,8 +333,7 @@ def main(argv=None) -> int:
       batches = make_batches("consecutive", encoded, translator.config.max_len, batch)
       for factor in shrink_factors:
         sizes = shrink_sizes(translator, batch, factor)
-        run = sum(row_steps([generated[i] for i in members], batch, 2, sizes)
-                  for _, members in batches)
+        run = batches_row_steps(generated, batches, batch, 2, sizes)
         print(f"| {batch} | {factor} | {', '.join(map(str, sizes))} "
               f"| {sum(generated) / run:.1%} |", flush=True)
   if args.count_steps:
@@ -326,7 +342,7 @@ def main(argv=None) -> int:
     print("| method | batch | shrink by | input-steps | tokens | input-steps per token |")
     print("|---|---|---|---|---|---|")
     for method in args.methods.split(","):
-      label = method + (f" ({args.beam_stop})" if method == "beam" else "")
+      label = _label(method, args.beam_stop)
       for batch in batch_sizes:
         for factor in shrink_factors:
           steps, tokens = counted_input_steps(translator, lines, method, batch,
@@ -348,8 +364,7 @@ def main(argv=None) -> int:
           results.items(), key=lambda kv: -kv[1][0]):
         same = sum(a == b for a, b in zip(out, base_out))
         order = "longest first" if longest else "shortest first"
-        label = method + (f" ({args.beam_stop})" if method == "beam" else "")
-        print(f"| {label} | {batch} | {batching}, {chunk}, {order}, {factor} | {s:.2f} "
+        print(f"| {_label(method, args.beam_stop)} | {batch} | {batching}, {chunk}, {order}, {factor} | {s:.2f} "
               f"| {len(lines) / s:.1f} | {base_seconds / s:.2f}x | {same} of {len(lines)} "
               f"| {compiling:.1f} | {instructions} |", flush=True)
   return 0

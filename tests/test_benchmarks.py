@@ -438,8 +438,8 @@ def test_batching_benchmark_counts_the_steps_decoders_run_as_its_arithmetic_does
   """bench_batching.counted_input_steps (the real decoders, each step
   reporting its batch's inputs, lanes side by side) against row_steps (the
   arithmetic of part 1, from the translations' lengths): the same total for
-  greedy search on the tiny fixture model, 18 lines in batches of 8, and
-  the tokens counted are the translations' own."""
+  greedy search on the tiny fixture model, 18 lines in batches of 16 that
+  shrink to 8 (halves), and the tokens counted are the translations' own."""
   from pathlib import Path
   from benchmarks import bench_batching
   from transformer.decoding import loader
@@ -451,11 +451,11 @@ def test_batching_benchmark_counts_the_steps_decoders_run_as_its_arithmetic_does
   lengths = [h[0].length for h in translator.translate_hypotheses(lines, method="greedy",
                                                                    batch_size=8)]
   encoded, _ = translator._encode(lines)
-  sizes = bench_batching.shrink_sizes(translator, 8, 4)
-  expected = sum(bench_batching.row_steps([lengths[i] for i in members], 8, 2, sizes)
-                 for _, members in bench_batching.make_batches(
-                     "consecutive", encoded, translator.config.max_len, 8))
-  steps, tokens = bench_batching.counted_input_steps(translator, lines, "greedy", 8,
-                                                     shrink_factor=4)
+  sizes = bench_batching.shrink_sizes(translator, 16, 2)
+  assert sizes == [16, 8]
+  batches = bench_batching.make_batches("consecutive", encoded, translator.config.max_len, 16)
+  expected = bench_batching.batches_row_steps(lengths, batches, 16, 2, sizes)
+  steps, tokens = bench_batching.counted_input_steps(translator, lines, "greedy", 16,
+                                                     shrink_factor=2)
   assert (steps, tokens) == (expected, sum(lengths))
-  assert steps > tokens  # (a batch of 8 runs rows past their sentences' ends)
+  assert steps > tokens  # (a batch runs rows past their sentences' ends)
