@@ -111,6 +111,12 @@ _PARAM_SHARDING = flags.DEFINE_enum(
     "param_sharding", "replicated", ["replicated", "fsdp"], "replicated: the parameters "
     "on every device; fsdp: each array split over this process's devices (a model larger "
     "than one device, e.g. trained with --config.state_sharding=fsdp).")
+_WEIGHTS_DTYPE = flags.DEFINE_enum(
+    "weights_dtype", None, ["bfloat16"], "bfloat16: the projections' weights kept in "
+    "bfloat16 and multiplied with their inputs in bfloat16, summed in float32 (attention, "
+    "LayerNorm, softmax and the search as the model says): 1.2-1.4x faster on a CPU with "
+    "AVX512-BF16 or AMX, the same BLEU, translations that may differ in a word here and "
+    "there. Default: the model's own dtype.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (or "
     "$JAX_COORDINATOR_ADDRESS). Slurm, Open MPI and Cloud TPU jobs of several processes "
@@ -221,7 +227,8 @@ def load_translator(workdir: str, which: str | int):
   of the workdir cannot be read."""
   try:
     translator, info = loader.load_translator(workdir, which, with_info=True,
-                                              param_sharding=_PARAM_SHARDING.value)
+                                              param_sharding=_PARAM_SHARDING.value,
+                                              weights_dtype=_WEIGHTS_DTYPE.value)
   except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
   if info["kind"] == "averaged":

@@ -28,6 +28,11 @@ it). CTranslate2's length
 penalty differs from decode.py's GNMT penalty (its beam outputs can differ
 where the penalty decides); greedy outputs should be the same in float32.
 
+`--weights_dtypes=float32,bfloat16` adds our rows with the projections'
+weights in bfloat16 (`decode.py --weights_dtype=bfloat16`: the reduced
+precision to set beside CTranslate2's int8: CTranslate2 4.8.5 offers int8,
+int8_float32 and float32 on a CPU, no bfloat16).
+
 `--rounds=N`: each engine decodes the input N times, the engines taking
 turns, and the tables give the medians (one engine's run can be 12% slower
 than its last for the machine's sake alone; alternating spreads such spells
@@ -185,6 +190,9 @@ def main() -> int:
   parser.add_argument("--beam_stops", default="exact",
                       help="ours, beam search: comma-separated values of decode.py --beam_stop, "
                       "a row each")
+  parser.add_argument("--weights_dtypes", default="float32",
+                      help="ours: comma-separated weights dtypes (float32 = the model's own; "
+                      "bfloat16 = decode.py --weights_dtype=bfloat16), a row each")
   parser.add_argument("--rounds", type=int, default=1,
                       help="times each engine decodes the input, taking turns; the tables "
                       "give the medians (a shared machine's speed moves between minutes)")
@@ -205,7 +213,11 @@ def main() -> int:
   for quantization in args.quantizations.split(","):
     exported[quantization] = Path(ctranslate2_export.export_workdir(
         args.workdir, str(out / f"ct2_{quantization}"), quantization=quantization, force=True))
-  translator = loader.load_translator(args.workdir)
+  weights_dtypes = args.weights_dtypes.split(",")
+  translators = {dtype: loader.load_translator(
+      args.workdir, weights_dtype=None if dtype == "float32" else dtype)
+      for dtype in weights_dtypes}
+  translator = translators[weights_dtypes[0]]
   # FLOP/s, the best measured so far. At the start, the best of 20 (0.4-0.8 s):
   # the first few matmuls after the export ran up to 1.2x slower (388 against
   # 463 GFLOP/s), and the first block's MFU was reckoned over that.
@@ -255,30 +267,34 @@ def main() -> int:
                                         args.threads)
           record(f"CTranslate2 {quantization}", seconds, wall, hyps,
                  with_mfu=quantization == "float32")
-        for lanes in (int(n) for n in args.concurrent_batches.split(",")):
-          for stop in stops:
-            options = dict(method=method, beam_size=4, batch_size=batch, beam_stop=stop,
-                           concurrent_batches=lanes)
+        for lanes, stop, dtype in ((lanes, stop, dtype)
+                                   for lanes in map(int, args.concurrent_batches.split(","))
+                                   for stop in stops for dtype in weights_dtypes):
+          options = dict(method=method, beam_size=4, batch_size=batch, beam_stop=stop,
+                         concurrent_batches=lanes)
+          if round_index == 0:
+            translators[dtype].translate(sources, **options)  # every shape compiled
+          hyps = translators[dtype].translate(sources, **options)
+          stats = translators[dtype].last_stats
+          seconds = max(stats["seconds"] - stats["compile_seconds"], 1e-9)
+          wall = float("nan")
+          if args.commands:
+            command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
+                       f"--input={src_file}", f"--output={out / 'ours.out'}",
+                       f"--method={method}", f"--batch_size={batch}",
+                       f"--beam_stop={stop}", f"--concurrent_batches={lanes}"]
+            command += [f"--weights_dtype={dtype}"] if dtype != "float32" else []
             if round_index == 0:
-              translator.translate(sources, **options)  # every shape compiled
-            hyps = translator.translate(sources, **options)
-            stats = translator.last_stats
-            seconds = max(stats["seconds"] - stats["compile_seconds"], 1e-9)
-            wall = float("nan")
-            if args.commands:
-              command = [sys.executable, "decode.py", f"--workdir={args.workdir}",
-                         f"--input={src_file}", f"--output={out / 'ours.out'}",
-                         f"--method={method}", f"--batch_size={batch}",
-                         f"--beam_stop={stop}", f"--concurrent_batches={lanes}"]
-              if round_index == 0:
-                command_seconds(command)  # fills the compilation cache
-              (out / "ours.out").unlink()
-              wall = command_seconds(command)
-            label = "decode.py / Translator" + "".join(
-                f", {flag}" for flag, shown in (
-                    (f"{lanes} lane{'s' * (lanes > 1)}", lanes != 0),
-                    (f"beam_stop={stop}", stop != "exact")) if shown)
-            record(label, seconds, wall, hyps)
+              command_seconds(command)  # fills the compilation cache
+            (out / "ours.out").unlink()
+            wall = command_seconds(command)
+          label = "decode.py / Translator" + "".join(
+              f", {flag}" for flag, shown in (
+                  (f"{lanes} lane{'s' * (lanes > 1)}", lanes != 0),
+                  (f"beam_stop={stop}", stop != "exact"),
+                  (f"{dtype} weights", dtype != "float32")) if shown)
+          # (MFU over the float32 peak: not for bfloat16's products)
+          record(label, seconds, wall, hyps, with_mfu=dtype == "float32")
       float32_hyps = runs["CTranslate2 float32"]["hyps"] if "float32" in exported else None
       reference_speed = None
       for label, run in runs.items():

@@ -126,14 +126,17 @@ def runs(workdir, env, tmp_path_factory):
     sample = run_decode(env, f"--workdir={workdir}", "--method=sample", "--top_k=1",
                         "--n_best=2", "--seed=3", "--temperature=1.5", "--max_len=24",
                         "--input=-", stdin=_text(LINES))
-    return greedy, sample
+    bfloat16 = run_decode(env, f"--workdir={workdir}", f"--input={with_long}",
+                          "--method=greedy", "--max_len=24", "--quiet",
+                          "--weights_dtype=bfloat16")
+    return greedy, sample, bfloat16
 
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     first = pool.submit(beam_then_stdin)
     second = pool.submit(greedy_then_sample)
-    (beam, n_best), (greedy, sample) = first.result(), second.result()
-  return dict(beam=beam, n_best=n_best, greedy=greedy, sample=sample, out=out,
-              plots=plots)
+    (beam, n_best), (greedy, sample, bfloat16) = first.result(), second.result()
+  return dict(beam=beam, n_best=n_best, greedy=greedy, sample=sample, bfloat16=bfloat16,
+              out=out, plots=plots)
 
 
 def _out_lines(text):
@@ -212,6 +215,13 @@ def test_sample_top_k_1_is_greedy(runs):
       assert s.split("\t") == [g, g]
     else:
       assert s == ""
+
+
+def test_bfloat16_weights_translate_as_float32(runs):
+  """--weights_dtype=bfloat16: a line out per line in, the trained demo
+  model's greedy translations those of its float32 weights."""
+  greedy = _out_lines(_ok(runs["greedy"]).stdout_text)
+  assert _out_lines(_ok(runs["bfloat16"]).stdout_text) == greedy
 
 
 def test_plot_attention_one_png_per_sentence(runs):

@@ -61,6 +61,28 @@ def test_dense_is_flax_dense_general_and_its_gradients_match_numpy(features, in_
                              g2.sum(0), rtol=1e-5, atol=1e-5)
 
 
+def test_dense_with_a_matmul_dtype_multiplies_in_it_and_sums_in_float32():
+  """`Dense(matmul_dtype=bfloat16)` (decoding with bfloat16 weights): x and W
+  rounded to bfloat16, their products summed in float32 (float64 numpy of the
+  rounded values, which a float32 product misses, and so does a sum kept in
+  bfloat16 over 1,024 terms); a W stored in bfloat16 gives the same."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.standard_normal((6, 1024)), jnp.float32)
+  dense = L.Dense(8, matmul_dtype=jnp.bfloat16, bias_init=jax.nn.initializers.normal(1.0))
+  params = dense.init(jax.random.key(0), x)
+  kernel, bias = params["params"]["kernel"], params["params"]["bias"]
+  rounded = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+  expected = rounded(x) @ rounded(kernel) + np.asarray(bias, np.float64)
+  with jax.default_matmul_precision("highest"):
+    out = dense.apply(params, x)
+    stored = dense.apply({"params": {"kernel": kernel.astype(jnp.bfloat16), "bias": bias}}, x)
+    float32 = L.Dense(8).apply(params, x)
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(stored, out)
+  assert np.abs(np.asarray(float32, np.float64) - expected).max() > 1e-3
+
+
 def test_layer_norm_matches_numpy_and_its_gradients_match_autodiff():
   """`layer_norm`'s forward against float64 numpy, its hand-written VJP against
   JAX's autodiff of the textbook formula, and `LayerNorm`'s parameters against

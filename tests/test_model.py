@@ -573,6 +573,34 @@ def test_bfloat16_incremental_decoding_stays_close_to_float32():
   assert (jnp.argmax(f32, -1) == jnp.argmax(bf16, -1)).mean() > 0.9
 
 
+def test_bfloat16_weights_decode_as_their_full_forward_and_close_to_float32():
+  """`matmul_dtype="bfloat16"` with the projections' weights stored in bfloat16
+  (`Translator(weights_dtype="bfloat16")`): the decode step (its output
+  projection through `logits_kernel`) gives the teacher-forced logits of the
+  same config, beams sharing the memory; both near the float32 model's, and
+  not equal to them (the products are bfloat16's)."""
+  from transformer.decoding.translator import projection_weights_as
+  cfg = tiny_config(num_decoder_layers=2)
+  params = M.init_params(cfg, jax.random.key(8))
+  src, tgt = random_batch(cfg, np.random.default_rng(13))
+  dec_in = M.shift_right(tgt, cfg.bos_id)
+  bf16_cfg = cfg.replace(matmul_dtype="bfloat16")
+  bf16_params = projection_weights_as(params, "bfloat16")
+  dtypes = {}  # is it a projection's weights -> the dtypes of such leaves
+  for path, x in jax.tree_util.tree_leaves_with_path(bf16_params):
+    dtypes.setdefault(path[-1].key == "kernel", set()).add(x.dtype)
+  assert dtypes == {True: {jnp.dtype(jnp.bfloat16)}, False: {jnp.dtype(jnp.float32)}}
+  with jax.default_matmul_precision("highest"):
+    f32 = forward(cfg, params, src, dec_in)
+    full = forward(bf16_cfg, bf16_params, src, dec_in)
+    steps = incremental_logits(bf16_cfg, bf16_params, src, dec_in, beams=2)
+  assert steps.dtype == jnp.float32
+  np.testing.assert_allclose(steps, jnp.repeat(full, 2, axis=0), atol=1e-4)
+  assert float(jnp.abs(full - f32).max()) > 1e-3
+  assert float(jnp.abs(jax.nn.softmax(full) - jax.nn.softmax(f32)).max()) < 0.05
+  assert (jnp.argmax(full, -1) == jnp.argmax(f32, -1)).mean() > 0.9
+
+
 @pytest.mark.parametrize("normalization", ["post", "pre"])
 def test_bfloat16_training_gradients_are_float32_and_close(normalization):
   """Training with bfloat16 compute (configs/wmt14_*.py): every gradient comes
@@ -643,6 +671,44 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
       best = out[False][0][:, 0]
       ends = [list(row).index(cfg.eos_id) + 1 if cfg.eos_id in row else 24 for row in best]
       assert min(ends) < 8 < max(ends), ends  # (rows leave at the first check)
+
+def test_a_translator_with_bfloat16_weights_translates_as_float32(caplog, monkeypatch):
+  """`Translator(weights_dtype="bfloat16")` on the trained fixture model: its
+  projections' weights are stored in bfloat16, its decoders multiply in
+  bfloat16 (their compiled programs convert activations to it), and greedy and beam
+  4 translate demo sentences as the float32 model does. A CPU without
+  bfloat16 instructions is warned of; an unknown dtype names the option."""
+  import logging
+  import re
+  from transformer.data import demo_task
+  from transformer.decoding import executable_cache, loader
+  from transformer.decoding import translator as translator_lib
+  from transformer.runtime.errors import OptionError
+  workdir = str(REPO / "tests" / "fixtures" / "workdir_d26a6fb")
+  float32 = loader.load_translator(workdir)
+  bfloat16 = loader.load_translator(workdir, weights_dtype="bfloat16")
+  assert bfloat16.config.matmul_dtype == "bfloat16" and float32.config.matmul_dtype is None
+  kernel = bfloat16.params["decoder"]["layers_0"]["feed_forward"]["inner"]["kernel"]
+  assert kernel.dtype == jnp.bfloat16 and bfloat16.logits_kernel.dtype == jnp.bfloat16
+  pairs = demo_task.demo_splits(5, num_train=40, num_eval=1, num_test=1)["train"]
+  sentences = sorted({s for s, _ in pairs}, key=len)[:8]  # (one batch, one decoder)
+  for options in ({"method": "greedy"}, {"method": "beam", "beam_size": 4}):
+    assert (bfloat16.translate(sentences, batch_size=8, **options)
+            == float32.translate(sentences, batch_size=8, **options)), options
+  # The activations go into the products as bfloat16 (`Dense(matmul_dtype=)`).
+  to_bfloat16 = re.compile(r"= bf16\[[0-9,]*\]\S* convert\(")
+  assert to_bfloat16.search(next(iter(bfloat16._executables.values())).as_text())
+  assert not to_bfloat16.search(next(iter(float32._executables.values())).as_text())
+
+  monkeypatch.setattr(executable_cache, "host_cpu_flags", lambda: {"avx2", "fma"})
+  with caplog.at_level(logging.WARNING, logger=translator_lib.__name__):
+    translator_lib.Translator(float32.config, float32.params, float32.tokenizer,
+                              weights_dtype="bfloat16")
+  assert "without bfloat16 instructions" in caplog.text
+  with pytest.raises(OptionError, match="weights_dtype"):
+    translator_lib.Translator(float32.config, float32.params, float32.tokenizer,
+                              weights_dtype="float16")
+
 
 def stack_layers(params, cfg):
   """The unrolled layout (layers_0, layers_1, ...) -> layers stacked on axis 0."""

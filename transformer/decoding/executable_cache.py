@@ -117,6 +117,11 @@ def _host_cpu() -> str:
   return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
+def host_cpu_flags() -> set[str]:
+  """This CPU's instruction-set flags as Linux lists them (empty elsewhere)."""
+  return set(_host_cpu().split(":", 1)[1].split()) if ":" in _host_cpu() else set()
+
+
 def key(parts: dict) -> str:
   """The file name of the decoder that `parts` (the caller's description)
   and this process's code, versions, devices and settings determine."""

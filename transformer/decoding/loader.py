@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def load_translator(workdir: str, checkpoint: str | int = "auto", *,
-                    with_info: bool = False, param_sharding: str = "replicated"):
+                    with_info: bool = False, param_sharding: str = "replicated",
+                    weights_dtype: str | None = None):
   """A Translator for a workdir written by train.py.
 
   Args:
@@ -34,6 +35,8 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     param_sharding: "replicated", or "fsdp": each array restored straight into
       its slices over this process's devices (see `Translator`), never whole
       on one device.
+    weights_dtype: None (the model's) or "bfloat16": the projections'
+      weights in bfloat16 (see `Translator`).
   Returns:
     The Translator, or (Translator, info) with `with_info=True`.
   Raises:
@@ -64,7 +67,8 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
   else:  # (a copy kept by the last load, while the checkpoints are unchanged)
     params, info = serving_params.load(workdir, which, target,
                                        lambda: _restore(workdir, which, target))
-  translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding)
+  translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding,
+                          weights_dtype=weights_dtype)
   return (translator, info) if with_info else translator
 
 

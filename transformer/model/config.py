@@ -34,6 +34,9 @@ class TransformerConfig:
   layer_norm_epsilon: float = 1e-6
   dtype: str = "float32"           # compute dtype ("bfloat16" on accelerators)
   param_dtype: str = "float32"     # storage dtype of the parameters
+  matmul_dtype: str | None = None  # the projections' weights and inputs ("bfloat16":
+                                   # decoding on CPUs with AVX512-BF16), summed in
+                                   # `dtype`; None: `dtype` (Translator(weights_dtype=))
   scan_layers: bool = False        # stack layers with nn.scan (flat compile time)
   remat: bool = False              # recompute layer activations in the backward pass
   attention_implementation: str | None = None  # None (by machine), "xla", "cudnn": see
@@ -74,7 +77,8 @@ class TransformerConfig:
 _DTYPES = ("float32", "bfloat16", "float16")
 _CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu", "swish"),
             "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
-            "param_dtype": _DTYPES, "attention_implementation": (None, "xla", "cudnn")}
+            "param_dtype": _DTYPES, "matmul_dtype": (None, "bfloat16"),
+            "attention_implementation": (None, "xla", "cudnn")}
 
 
 def _check_config(config: TransformerConfig) -> None:

@@ -46,6 +46,11 @@ class Dense(nn.Module):
   to bring them to matrix form; as 2-D products they need no copy (on CPU
   the base model's training step had ~200 such copies).
 
+  With `matmul_dtype` (e.g. bfloat16), x and W enter the product in that
+  dtype and it sums in `dtype`: on a CPU with AVX512-BF16 a bfloat16 product
+  runs about twice as fast as a float32 one (decoding 1.2-1.4x faster with
+  the same BLEU, docs/decoding.md); a W already stored so is not cast again.
+
   Shapes: x `[..., *in]` -> `[..., *features]`, where `in` = x.shape[-in_dims:].
   """
 
@@ -53,6 +58,7 @@ class Dense(nn.Module):
   in_dims: int = 1
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  matmul_dtype: Any = None
   kernel_init: Callable = nn.initializers.xavier_uniform()
   bias_init: Callable = nn.initializers.zeros
 
@@ -69,8 +75,12 @@ class Dense(nn.Module):
         "bias", lambda rng, shape, dtype: self.bias_init(
             rng, (fan_out,), dtype).reshape(shape),
         features, self.param_dtype)
-    flat = x.reshape(-1, fan_in).astype(self.dtype)
-    y = jnp.dot(flat, kernel.reshape(fan_in, fan_out).astype(self.dtype))
+    flat, kernel = x.reshape(-1, fan_in), kernel.reshape(fan_in, fan_out)
+    if self.matmul_dtype is None:
+      y = jnp.dot(flat.astype(self.dtype), kernel.astype(self.dtype))
+    else:
+      y = jnp.dot(flat.astype(self.matmul_dtype), kernel.astype(self.matmul_dtype),
+                  preferred_element_type=self.dtype)
     y = y + bias.reshape(fan_out).astype(self.dtype)
     return y.reshape(x.shape[:x.ndim - self.in_dims] + features)
 

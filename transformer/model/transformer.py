@@ -171,7 +171,7 @@ def scaled_dot_product_attention(
 def _dense(config: TransformerConfig, features, in_dims=1, name=None) -> Dense:
   """x W + b: flax's DenseGeneral, computed as 2-D matrix products (layers.py)."""
   return Dense(features=features, in_dims=in_dims, dtype=config.compute_dtype,
-               param_dtype=config.params_dtype, name=name)
+               param_dtype=config.params_dtype, matmul_dtype=config.matmul_dtype, name=name)
 
 
 def _layer_norm(config: TransformerConfig, name=None) -> LayerNorm:
@@ -283,7 +283,12 @@ class Embeddings(nn.Module):
 
   def attend(self, y: Array) -> Array:
     """`[batch, length, d_model]` -> logits `[batch, length, vocab]` (y E^T)."""
-    dtype = self.config.compute_dtype
+    cfg = self.config
+    if cfg.matmul_dtype is not None:  # (as `Dense` and decoding's `logits_kernel` multiply)
+      return jnp.einsum("...d,vd->...v", y.astype(cfg.matmul_dtype),
+                        self.embedding.embedding.astype(cfg.matmul_dtype),
+                        preferred_element_type=cfg.compute_dtype)
+    dtype = cfg.compute_dtype
     return tied_output_projection(y.astype(dtype), self.embedding.embedding.astype(dtype))
 
 
@@ -462,8 +467,9 @@ class Decoder(nn.Module):
     cfg = self.config
     if cfg.normalization == "pre":
       y = self.final_norm(y).astype(cfg.compute_dtype)
-    if logits_kernel is not None:
-      logits = jnp.dot(y.astype(cfg.compute_dtype), logits_kernel)
+    if logits_kernel is not None:  # (in `matmul_dtype` if one is set: `logits_kernel()`)
+      logits = jnp.dot(y.astype(logits_kernel.dtype), logits_kernel,
+                       preferred_element_type=cfg.compute_dtype)
     elif cfg.logits_via_embedding:
       logits = self.embeddings.attend(y)
     else:
@@ -574,12 +580,14 @@ class Transformer(nn.Module):
 
   def logits_kernel(self) -> Array | None:
     """Decoding: the tied pre-softmax projection E^T laid out `[d_model, vocab]`
-    in the compute dtype (None when untied): with a few rows per step, y E^T
-    read from E as stored measured 25-35% slower, and it is a step's largest matmul."""
-    if not self.config.logits_via_embedding:
+    in `matmul_dtype`, else the compute dtype (None when untied): with a few
+    rows per step, y E^T read from E as stored measured 25-35% slower, and it
+    is a step's largest matmul."""
+    cfg = self.config
+    if not cfg.logits_via_embedding:
       return None
     embedding = self.decoder.embeddings.embedding.embedding  # E `[vocab, d_model]`
-    return embedding.T.astype(self.config.compute_dtype)
+    return embedding.T.astype(cfg.matmul_dtype or cfg.compute_dtype)
 
   def decode_step(self, token_ids: Array, cache: dict, memory: dict) -> tuple[Array, dict]:
     """Decoding: token_ids `[batch * beams]`, the previous token of every row
