@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_DTYPES = (None, "bfloat16")  # (`Translator(weights_dtype=)`)
 # The CPU flags (Linux's names) of instructions that multiply bfloat16 (x86's
-# AVX512-BF16 and AMX, Arm's BF16); without them XLA converts to float32.
+# AVX512-BF16 and AMX, Arm's BF16): without one, bfloat16 weights likely gain nothing.
 BFLOAT16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 
@@ -109,7 +109,7 @@ class Translator:
       in bfloat16, the products summed in the model's dtype; the rest
       (embeddings, attention over the cache, LayerNorm, softmax, search) as
       the model says. On a CPU with AVX512-BF16 or AMX 1.2-1.4x faster with
-      the same BLEU (docs/decoding.md); elsewhere XLA converts them back.
+      the same BLEU (docs/decoding.md); on one without, a warning.
   Batches are sharded over this process's local devices.
 
   `pack_sources` (an attribute, default: on a CPU with one device): the
