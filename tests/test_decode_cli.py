@@ -127,8 +127,7 @@ def runs(workdir, env, tmp_path_factory):
                         "--n_best=2", "--seed=3", "--temperature=1.5", "--max_len=24",
                         "--input=-", stdin=_text(LINES))
     bfloat16 = run_decode(env, f"--workdir={workdir}", f"--input={with_long}",
-                          "--method=greedy", "--max_len=24", "--quiet",
-                          "--weights_dtype=bfloat16")
+                          "--method=greedy", "--max_len=24", "--weights_dtype=bfloat16")
     return greedy, sample, bfloat16
 
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -219,9 +218,11 @@ def test_sample_top_k_1_is_greedy(runs):
 
 def test_bfloat16_weights_translate_as_float32(runs):
   """--weights_dtype=bfloat16: a line out per line in, the trained demo
-  model's greedy translations those of its float32 weights."""
+  model's greedy translations those of its float32 weights; the summary
+  line says the weights."""
   greedy = _out_lines(_ok(runs["greedy"]).stdout_text)
   assert _out_lines(_ok(runs["bfloat16"]).stdout_text) == greedy
+  assert ", greedy, bfloat16 weights, " in runs["bfloat16"].stderr_text  # (the summary)
 
 
 def test_plot_attention_one_png_per_sentence(runs):
