@@ -283,9 +283,8 @@ def run() -> None:
   except text_io.TextFileError as e:
     raise WorkdirError(f"--output={e.path}: {e.problem}") from None
   if not quiet and jax.process_index() == 0:
-    weights = f", {_WEIGHTS_DTYPE.value} weights" if _WEIGHTS_DTYPE.value else ""
-    line = output.summary_line(stats, method=method + weights, checkpoint=described,
-                               plots=plots)
+    line = output.summary_line(stats, method=method, checkpoint=described, plots=plots,
+                               weights_dtype=_WEIGHTS_DTYPE.value)
     if stats["resumed_at"]:
       line += f"; resumed after line {stats['resumed_at']}"
     print(line, file=sys.stderr)

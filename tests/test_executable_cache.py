@@ -231,3 +231,13 @@ def test_a_read_only_cache_still_loads(cache_dir, monkeypatch):
     raise PermissionError("read-only file system")
   monkeypatch.setattr(executable_cache.os, "utime", refuse)
   assert executable_cache.load_or_eval_shape({"f": "ro"}, lambda: 1 / 0) == shapes
+
+
+@pytest.mark.parametrize("line,flags", [
+    ("flags\t\t: fpu sse2 avx512f avx512_bf16", {"fpu", "sse2", "avx512f", "avx512_bf16"}),
+    ("Features\t: fp asimd bf16", {"fp", "asimd", "bf16"}),   # (aarch64)
+    ("", set()),                                             # (no /proc/cpuinfo)
+])
+def test_host_cpu_flags_are_the_words_of_cpuinfos_flags_line(monkeypatch, line, flags):
+  monkeypatch.setattr(executable_cache, "_cpu_flags_line", lambda: line)
+  assert executable_cache.host_cpu_flags() == flags

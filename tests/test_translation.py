@@ -133,6 +133,9 @@ def test_summary_line():
       ", 0 attention plots")
   assert "(compiling 2.0 s; 3 searched again in full; 116.5 tokens/s" in output.summary_line(
       dict(STATS, searched_again=3), method="beam", checkpoint="")
+  assert output.summary_line(STATS, method="greedy", checkpoint="step 300",
+                             weights_dtype="bfloat16").endswith(
+      "decoding), greedy, bfloat16 weights, step 300")
 
 
 @pytest.mark.parametrize("src_len,out_len,min_len,first", [

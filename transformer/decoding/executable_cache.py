@@ -107,19 +107,23 @@ def source_hash() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _host_cpu() -> str:
-  """The CPU XLA compiles for: its instruction-set flags where Linux says them."""
+def _cpu_flags_line() -> str:
+  """/proc/cpuinfo's line of instruction-set flags ("" where Linux does not say)."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-      flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+      return next((line for line in f if line.startswith(("flags", "Features"))), "").strip()
   except OSError:
-    flags = ""
-  return f"{platform.machine()} {platform.processor()} {flags.strip()}"
+    return ""
+
+
+def _host_cpu() -> str:
+  """The CPU XLA compiles for: its instruction-set flags where Linux says them."""
+  return f"{platform.machine()} {platform.processor()} {_cpu_flags_line()}"
 
 
 def host_cpu_flags() -> set[str]:
-  """This CPU's instruction-set flags as Linux lists them (empty elsewhere)."""
-  return set(_host_cpu().split(":", 1)[1].split()) if ":" in _host_cpu() else set()
+  """This CPU's instruction-set flags as Linux names them (empty elsewhere)."""
+  return set(_cpu_flags_line().partition(":")[2].split())
 
 
 def key(parts: dict) -> str:

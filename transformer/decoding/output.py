@@ -30,19 +30,22 @@ def one_line(text: str, tabs: bool) -> str:
   return text.replace("\t", " ") if tabs else text
 
 
-def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None = None) -> str:
+def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None = None,
+                 weights_dtype: str | None = None) -> str:
   """One line about a `translate` call from its `last_stats`: sentences,
   tokens, seconds (compiling apart), the decoders loaded from disk and the
   inputs searched again in full (if any), tokens/s of the decoding itself, the
-  method, which `checkpoint` (its description), the devices if several, and
-  how many attention `plots` were written (None: none asked for)."""
+  method (and `weights_dtype` if one was chosen), which `checkpoint` (its
+  description), the devices if several, and how many attention `plots` were
+  written (None: none asked for)."""
   loaded, again = stats.get("decoders_loaded", 0), stats.get("searched_again", 0)
   line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
           f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
           f"(compiling {stats['compile_seconds']:.1f} s; "
           f"{f'{loaded} compiled decoders loaded; ' if loaded else ''}"
           f"{f'{again} searched again in full; ' if again else ''}"
-          f"{stats['tokens_per_second']:.1f} tokens/s decoding), {method}, {checkpoint}")
+          f"{stats['tokens_per_second']:.1f} tokens/s decoding), {method}, "
+          f"{f'{weights_dtype} weights, ' if weights_dtype else ''}{checkpoint}")
   if stats.get("devices", 1) > 1:
     line += f", on {stats['devices']} devices"
   if plots is not None:

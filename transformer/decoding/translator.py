@@ -47,7 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from transformer.data.tokenizer import Tokenizer, available_cores
 from transformer.decoding import batching, executable_cache, loops, sampling, source_packing
 from transformer.decoding import search as decoding
-from transformer.model.config import TransformerConfig
+from transformer.model.config import MATMUL_DTYPES, TransformerConfig
 from transformer.model import kv_cache
 from transformer.model.kv_cache import init_cache, reorder_cache
 from transformer.runtime import parallel
@@ -65,7 +65,6 @@ LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_DTYPES = (None, "bfloat16")  # (`Translator(weights_dtype=)`)
 # The CPU flags (Linux's names) of instructions that multiply bfloat16 (x86's
 # AVX512-BF16 and AMX, Arm's BF16): without one, bfloat16 weights likely gain nothing.
 BFLOAT16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
@@ -132,24 +131,25 @@ class Translator:
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
                param_sharding: str = "replicated", weights_dtype: str | None = None):
-    if weights_dtype not in WEIGHTS_DTYPES:
+    if weights_dtype not in MATMUL_DTYPES:
       raise OptionError("weights_dtype", weights_dtype,
-                        f"must be one of {', '.join(map(str, WEIGHTS_DTYPES))}")
+                        f"must be one of {', '.join(map(str, MATMUL_DTYPES))}")
     self.config = model_config.replace(matmul_dtype=weights_dtype or model_config.matmul_dtype)
-    if (weights_dtype == "bfloat16" and jax.local_devices()[0].platform == "cpu"
+    self.tokenizer = tokenizer
+    self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
+    on_cpu = self.mesh.devices.flat[0].platform == "cpu"
+    if (weights_dtype == "bfloat16" and on_cpu
         and not BFLOAT16_CPU_FLAGS & executable_cache.host_cpu_flags()):
       logger.warning("weights_dtype=bfloat16 on a CPU without bfloat16 instructions "
                      "(none of %s): likely no faster than float32.",
                      ", ".join(sorted(BFLOAT16_CPU_FLAGS)))
-    self.tokenizer = tokenizer
-    self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
     if param_sharding not in parallel.STATE_SHARDINGS:
       raise OptionError("param_sharding", param_sharding,
                         f"must be one of {', '.join(parallel.STATE_SHARDINGS)}")
     self.param_sharding = param_sharding
     self.last_stats: dict[str, float] = {}
     self.overlap = True  # detokenize batch k - 1 while the device decodes batch k
-    self.shrink_batches = self.mesh.devices.flat[0].platform == "cpu"
+    self.shrink_batches = on_cpu
     self.pack_sources = self.shrink_batches and len(self.mesh.devices.flat) == 1
     self.first_search = True
     self._compiled = {}  # the cross-attention function, jitted once

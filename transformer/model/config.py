@@ -75,9 +75,10 @@ class TransformerConfig:
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
+MATMUL_DTYPES = (None, "bfloat16")  # (`matmul_dtype`; `Translator(weights_dtype=)`)
 _CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu", "swish"),
             "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
-            "param_dtype": _DTYPES, "matmul_dtype": (None, "bfloat16"),
+            "param_dtype": _DTYPES, "matmul_dtype": MATMUL_DTYPES,
             "attention_implementation": (None, "xla", "cudnn")}
 
 

@@ -75,12 +75,9 @@ class Dense(nn.Module):
         "bias", lambda rng, shape, dtype: self.bias_init(
             rng, (fan_out,), dtype).reshape(shape),
         features, self.param_dtype)
-    flat, kernel = x.reshape(-1, fan_in), kernel.reshape(fan_in, fan_out)
-    if self.matmul_dtype is None:
-      y = jnp.dot(flat.astype(self.dtype), kernel.astype(self.dtype))
-    else:
-      y = jnp.dot(flat.astype(self.matmul_dtype), kernel.astype(self.matmul_dtype),
-                  preferred_element_type=self.dtype)
+    product = self.matmul_dtype or self.dtype
+    y = jnp.dot(x.reshape(-1, fan_in).astype(product),
+                kernel.reshape(fan_in, fan_out).astype(product), preferred_element_type=self.dtype)
     y = y + bias.reshape(fan_out).astype(self.dtype)
     return y.reshape(x.shape[:x.ndim - self.in_dims] + features)
 
