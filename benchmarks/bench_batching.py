@@ -371,4 +371,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  from transformer.runtime import host_memory
+  host_memory.keep_freed_memory(one_heap=False)  # as decode.py has it
   sys.exit(main())

@@ -208,5 +208,6 @@ def main():
 
 
 if __name__ == "__main__":
-  # (glibc's defaults, as decode.py keeps them: no `keep_freed_memory`)
+  # (glibc's defaults, as the tables against the Flax example were measured;
+  # decode.py keeps freed memory per thread, `host_memory`)
   main()

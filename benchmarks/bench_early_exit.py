@@ -146,5 +146,5 @@ def main():
 
 if __name__ == "__main__":
   from transformer.runtime import host_memory
-  host_memory.keep_freed_memory()  # as train.py / decode.py do, before any computation
+  host_memory.keep_freed_memory()  # train.py's one heap, before any computation
   main()

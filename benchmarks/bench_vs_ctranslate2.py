@@ -317,4 +317,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+  # Freed memory kept per thread, as decode.py has it (`host_memory`): the
+  # Translator rows then decode as `decode.py` does. Under glibc's defaults
+  # (this benchmark until 2026-11-27) they read slower than the command
+  # decodes: 5,000 gettext lines greedy at 128, 1,000-1,020 against
+  # 1,070-1,120 sentences/s (processes taking turns, 2-core CPU).
+  from transformer.runtime import host_memory
+  host_memory.keep_freed_memory(one_heap=False)
   sys.exit(main())
