@@ -48,6 +48,7 @@ row-step, the encoder included) at each batch size.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -267,9 +268,8 @@ def main() -> int:
                                         args.threads)
           record(f"CTranslate2 {quantization}", seconds, wall, hyps,
                  with_mfu=quantization == "float32")
-        for lanes, stop, dtype in ((lanes, stop, dtype)
-                                   for lanes in map(int, args.concurrent_batches.split(","))
-                                   for stop in stops for dtype in weights_dtypes):
+        for lanes, stop, dtype in itertools.product(
+            map(int, args.concurrent_batches.split(",")), stops, weights_dtypes):
           options = dict(method=method, beam_size=4, batch_size=batch, beam_stop=stop,
                          concurrent_batches=lanes)
           if round_index == 0:

@@ -672,6 +672,7 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
       ends = [list(row).index(cfg.eos_id) + 1 if cfg.eos_id in row else 24 for row in best]
       assert min(ends) < 8 < max(ends), ends  # (rows leave at the first check)
 
+
 def test_a_translator_with_bfloat16_weights_translates_as_float32(caplog, monkeypatch):
   """`Translator(weights_dtype="bfloat16")` on the trained fixture model: its
   projections' weights are stored in bfloat16, its decoders multiply in
