@@ -77,7 +77,8 @@ def test_keep_freed_memory_stops_per_call_page_faults():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_one_heap_is_train_py_s_alone(monkeypatch):
   """keep_freed_memory() limits glibc to one heap (arena); with one_heap=False
-  (decode.py) the heaps are left as glibc makes them, and the rest is the same."""
+  (decode.py) the heaps are left as glibc makes them and the fast bins are
+  turned off, and the rest is the same."""
   calls = []
 
   class FakeLibc:
@@ -87,12 +88,12 @@ def test_one_heap_is_train_py_s_alone(monkeypatch):
 
   monkeypatch.setattr(host_memory.ctypes, "CDLL", lambda name: FakeLibc())
   monkeypatch.setattr(host_memory, "runs_on_cpu", lambda: True)
-  M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
+  M_MXFAST, M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = 1, -1, -4, -8  # glibc's malloc.h
   assert host_memory.keep_freed_memory()
   assert sorted(calls) == sorted([(M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)])
   calls.clear()
   assert host_memory.keep_freed_memory(one_heap=False)
-  assert sorted(calls) == sorted([(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)])
+  assert sorted(calls) == sorted([(M_MXFAST, 0), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)])
 
 
 def test_keep_freed_memory_can_be_turned_off(monkeypatch):

@@ -36,11 +36,20 @@ import pkgutil
 import platform
 
 # mallopt(3) parameters, from glibc's malloc.h.
+_M_MXFAST = 1            # largest request served from the "fast bins" (0: none)
 _M_TRIM_THRESHOLD = -1   # free memory at the heap's top kept before giving it back
 _M_MMAP_MAX = -4         # how many allocations may be served by mmap (0: none)
 _M_ARENA_MAX = -8        # how many heaps threads may spread over
 
 _ONE_HEAP = ((_M_ARENA_MAX, 1),)  # (`keep_freed_memory(one_heap=True)`)
+# (`one_heap=False`, decode.py) No fast bins: with no `mmap`, every free of a
+# block of 64 KB or more makes glibc merge all its fast bins' small free
+# blocks (`malloc_consolidate`), and loading a compiled decoder (XLA parsing
+# its program: many small blocks, some large ones) did that often: 29% of
+# the load's CPU time in malloc/free, 10% in the merging. Without them the
+# 4 decoders of 1,000 lines at batch 32 loaded in 0.53-0.56 against
+# 0.58-0.59 s (one thread, medians of 8). Not measured for train.py's one heap.
+_NO_FAST_BINS = ((_M_MXFAST, 0),)
 _SETTINGS = (
     (_M_MMAP_MAX, 0),
     # -1 turns trimming off (mallopt(3)): glibc reads the int as a size_t, so
@@ -79,7 +88,8 @@ def runs_on_cpu() -> bool:
 def keep_freed_memory(one_heap: bool = True) -> bool:
   """Applies the settings above through glibc's `mallopt`; with `one_heap`
   every thread allocates from one heap (train.py), without it each thread
-  from its own as glibc chooses (decode.py: module docstring). Returns
+  from its own as glibc chooses, with no fast bins (decode.py: module
+  docstring, `_NO_FAST_BINS`). Returns
   whether they were applied: False off Linux/glibc, when
   TRANSFORMER_KEEP_FREED_MEMORY=0, and when JAX will run on a GPU or TPU
   (`runs_on_cpu`): there XLA's buffers live in device memory, and one arena
@@ -92,5 +102,5 @@ def keep_freed_memory(one_heap: bool = True) -> bool:
   if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
     return False
   libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-  settings = (_ONE_HEAP if one_heap else ()) + _SETTINGS
+  settings = (_ONE_HEAP if one_heap else _NO_FAST_BINS) + _SETTINGS
   return all(libc.mallopt(option, value) == 1 for option, value in settings)
