@@ -372,3 +372,36 @@ def test_second_decode_compiles_nothing(workdir, env, tmp_path):
   _ok(run_decode(dict(env, TRANSFORMER_COMPILATION_CACHE=str(off_cache)), *flags,
                  "--compilation_cache=off", stdin=_text(LINES)))
   assert not off_cache.exists()
+
+
+_GC_PROBE = """
+import gc, os, runpy, sys
+states = {}
+real_exit = os._exit
+def report_then_exit(code):
+  states.update(at_exit=gc.isenabled(), frozen=gc.get_freeze_count())
+  print(states, file=sys.stderr, flush=True)
+  real_exit(code)
+os._exit = report_then_exit
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_garbage_collection_off_while_the_command_starts_then_frozen_and_back_on(
+    workdir, env):
+  """decode.py as a command turns Python's collector off before importing jax
+  and, once the model is loaded, freezes what exists and turns it back on;
+  imported as a module (as these tests do) it leaves the collector alone."""
+  result = subprocess.run(
+      [sys.executable, "-c", _GC_PROBE, DECODE, f"--workdir={workdir}", "--method=greedy",
+       "--max_len=24", "--quiet"], input=_text(LINES).encode(), cwd=ROOT, env=env,
+      capture_output=True, timeout=600)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  states = eval(result.stderr.decode().strip().splitlines()[-1])
+  assert states["at_exit"], states
+  assert states["frozen"] > 10_000, states  # jax's and the model's objects
+  imported = subprocess.run(
+      [sys.executable, "-c", "import gc, decode; print(gc.isenabled(), gc.get_freeze_count())"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert imported.stdout.split() == ["True", "0"], imported.stderr[-2000:]
