@@ -43,18 +43,17 @@ import logging
 import os
 import sys
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (the command's alone: importing this module changes neither)
   # No garbage collection while the command starts: importing jax and the
   # rest and restoring the model make objects that live to the end, which
   # the collector walked again and again (0.09 s of a 2.4 s decode.py of
   # 1,000 lines). `run` freezes them and turns it back on.
   gc.disable()
-
-# numpy's OpenBLAS (imported with jax) starts a thread per core that spins
-# for a while even when no BLAS call comes, and this command makes none:
-# 0.1 s of a core taken from loading the decoders (`python -c "import
-# numpy"`: 0.16-0.18 against 0.06-0.08 s of CPU).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+  # numpy's OpenBLAS (imported with jax) starts a thread per core that spins
+  # for a while even when no BLAS call comes, and this command makes none:
+  # 0.1 s of a core taken from loading the decoders (`python -c "import
+  # numpy"`: 0.16-0.18 against 0.06-0.08 s of CPU).
+  os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax
 from absl import app, flags

@@ -375,12 +375,12 @@ def test_second_decode_compiles_nothing(workdir, env, tmp_path):
 
 
 _GC_PROBE = """
-import gc, os, runpy, sys
+import gc, json, os, runpy, sys
 states = {}
 real_exit = os._exit
 def report_then_exit(code):
   states.update(at_exit=gc.isenabled(), frozen=gc.get_freeze_count())
-  print(states, file=sys.stderr, flush=True)
+  print(json.dumps(states), file=sys.stderr, flush=True)
   real_exit(code)
 os._exit = report_then_exit
 sys.argv = [sys.argv[1], *sys.argv[2:]]
@@ -398,7 +398,7 @@ def test_garbage_collection_off_while_the_command_starts_then_frozen_and_back_on
        "--max_len=24", "--quiet"], input=_text(LINES).encode(), cwd=ROOT, env=env,
       capture_output=True, timeout=600)
   assert result.returncode == 0, result.stderr.decode()[-3000:]
-  states = eval(result.stderr.decode().strip().splitlines()[-1])
+  states = json.loads(result.stderr.decode().strip().splitlines()[-1])
   assert states["at_exit"], states
   assert states["frozen"] > 10_000, states  # jax's and the model's objects
   imported = subprocess.run(
