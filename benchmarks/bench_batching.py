@@ -61,14 +61,15 @@ from transformer.decoding.options import BEAM_STOPS
 BATCHINGS = ("consecutive", "per bucket")
 
 
-def per_bucket_batches(encoded, max_length, inputs_per_batch):
+def per_bucket_batches(encoded, max_length, inputs_per_batch, shared=None):
   """The batching before 2026-11-26 (for comparison): inputs grouped by
   length bucket, each bucket cut into batches, so each bucket's last batch
   has empty rows. Same signature as `batching.length_batches`."""
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   buckets: dict[int, list[int]] = {}
   for i in todo:
-    buckets.setdefault(batching_lib.bucket_length(len(encoded[i]), max_length), []).append(i)
+    length = batching_lib.bucket_length(len(encoded[i]), max_length)
+    buckets.setdefault((shared or {}).get(length, length), []).append(i)
   batches = []
   for src_len, members in sorted(buckets.items()):
     per_batch = inputs_per_batch(src_len)

@@ -350,11 +350,49 @@ def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_
   assert all(math.isfinite(h.score) for hyps in ranked for h in hyps)
 
 
-def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):
-  """`translator.LONGEST_FIRST`: lanes take the longest batches first (so
-  they end together); shortest first gives the same translations."""
+def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_example,
+                                                                         monkeypatch):
+  """`Translator.share_buckets` (on by default on a CPU): two short inputs
+  and a long one, a batch each, go through one decoder, the long one's
+  (`batching.shared_buckets`); off, through two. Greedy and beam 4
+  translate the same either way, given the same `max_len` (by default it
+  follows the padded length: this smoke-trained model's translations run
+  to it)."""
   from transformer.decoding import translator as translator_lib
   translator = run_example(API_EXAMPLE)[0]["translator"]
+  lengths = []
+  dispatch = translator_lib.Translator._dispatch
+
+  def recording(self, shape, inputs):
+    lengths.append(shape[2])  # the batch's padded source length
+    return dispatch(self, shape, inputs)
+
+  monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
+  sentences = ["one cat", "forty-two red apples and seven new cars and one small cat and "
+               "three old dogs and nine green birds", "seven new cars"]
+  assert translator.share_buckets
+  for method in ("greedy", "beam"):
+    options = dict(method=method, batch_size=1, concurrent_batches=1, max_len=24)
+    lengths.clear()
+    shared = translator.translate(sentences, **options)
+    assert len(lengths) == 3 and len(set(lengths)) == 1
+    translator.share_buckets = False
+    try:
+      lengths.clear()
+      own = translator.translate(sentences, **options)
+      assert len(set(lengths)) == 2 and max(lengths) == lengths[0]  # (longest first)
+    finally:
+      translator.share_buckets = True
+    assert shared == own, method
+
+
+def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):
+  """`translator.LONGEST_FIRST`: lanes take the longest batches first (so
+  they end together); shortest first gives the same translations. (Buckets
+  of their own: shared, these 4 inputs would all be padded to the longest.)"""
+  from transformer.decoding import translator as translator_lib
+  translator = run_example(API_EXAMPLE)[0]["translator"]
+  monkeypatch.setattr(translator, "share_buckets", False)
   lengths = []
   dispatch = translator_lib.Translator._dispatch
 

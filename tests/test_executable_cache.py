@@ -43,8 +43,10 @@ def cache_dir(tmp_path):
 
 
 def _translate(**options):
-  """SENTENCES in two batches (of 2) of two lengths: two decoders."""
+  """SENTENCES in two batches (of 2) of two lengths: two decoders (buckets
+  of their own: shared, so few inputs would all go to the longer one)."""
   translator = loader.load_translator(str(FIXTURE_WORKDIR))
+  translator.share_buckets = False
   out = translator.translate(SENTENCES, batch_size=2, **options)
   return out, translator.last_stats
 

@@ -74,6 +74,44 @@ def test_length_batches_by_tokens_close_a_batch_before_it_outgrows_them():
       (8, [0, 1, 2, 3]), (16, [4, 5, 6]), (32, [7])]
 
 
+def test_shared_buckets_keep_the_buckets_of_least_decoders_plus_padding():
+  """A bucket costs `decoder_cost`; an input padded from bucket L to L' costs
+  its rows times L'^2 - L^2. The costs below are worked out by hand."""
+  tokens = lambda *counts: [[5] * n for n, count in counts for _ in range(count)]
+  # 3 inputs of bucket 8, 1 of 64: one decoder (64) costs D + 3 * (4096 - 64)
+  # = D + 12,096; two cost 2D.
+  few_short = tokens((5, 3), (40, 1))
+  assert batching.shared_buckets(few_short, 64, 1, decoder_cost=12_097) == {8: 64}
+  assert batching.shared_buckets(few_short, 64, 1, decoder_cost=12_095) == {}
+  assert batching.shared_buckets(few_short, 64, 1) == {8: 64}   # (DECODER_COST: 2^20)
+  # 4 beams an input: 4 x 12,096 = 48,384.
+  assert batching.shared_buckets(few_short, 64, 4, decoder_cost=48_385) == {8: 64}
+  assert batching.shared_buckets(few_short, 64, 4, decoder_cost=48_383) == {}
+  # 1,000 inputs of bucket 8, 2 of 16, 1 of 64, D = 2^20: {8, 64} costs 2D +
+  # 2 * (4096 - 256) = 2D + 7,680; {16, 64} 2D + 1,000 * (256 - 64) = 2D +
+  # 192,000; {64} D + 4,032,000 + 7,680; all three 3D.
+  assert batching.shared_buckets(tokens((5, 1000), (12, 2), (40, 1)), 64, 1) == {16: 64}
+  # 2 inputs each of 8 and 16, 1,000 of 32, 1 of 64 (the longest: kept,
+  # whatever it holds): {32, 64} costs 2D + 2 * (1024 - 64) + 2 * (1024 - 256).
+  assert batching.shared_buckets(tokens((5, 2), (12, 2), (20, 1000), (40, 1)), 64, 1) == {
+      8: 32, 16: 32}
+  assert batching.shared_buckets(tokens((5, 3)), 64, 1) == {}   # one bucket
+  assert batching.shared_buckets([[], []], 64, 1) == {}
+
+
+def test_length_batches_pad_a_shared_bucket_to_the_one_it_shares():
+  """`shared` {8: 16}: the inputs of bucket 8 are batched as if 16 long
+  (`inputs_per_batch` asked at 16) and padded to 16."""
+  encoded = [[5] * 3, [], [5] * 10, [5] * 9, [5] * 2, [5] * 40, [5] * 7]
+  assert batching.length_batches(encoded, 32, lambda src_len: 2, {8: 16}) == [
+      (16, [4, 0]), (16, [6, 3]), (32, [2, 5])]
+  asked = []
+  per_batch = lambda src_len: asked.append(src_len) or 64 // src_len   # 4 at 16, 2 at 32
+  assert batching.length_batches(encoded, 32, per_batch, {8: 16}) == [
+      (16, [4, 0, 6, 3]), (32, [2, 5])]
+  assert 8 not in asked
+
+
 def test_pack_batch_and_unpack_hypotheses_agree_on_the_row_layout():
   inputs = [[7, 8, 1], [9, 1]]
   batch = batching.pack_batch(inputs, rows=6, length=4, copies=2)

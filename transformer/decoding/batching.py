@@ -5,7 +5,9 @@ inputs in batches shaped here:
   1. `length_batches`: the non-empty inputs, shortest first, cut into batches
      of `batch_size` inputs (or of `batch_tokens` source tokens), each padded
      to `bucket_length` of its longest (a power of two): few shapes to compile,
-     and only the last batch has empty rows.
+     and only the last batch has empty rows. `shared_buckets` first sends the
+     inputs of a bucket too small to pay for a decoder of its own to the next
+     longer one.
   2. `first_search_length`: how many steps a batch decodes first (its cache
      that long); the inputs left unfinished are searched again in full.
   3. `pack_batch` / `unpack_hypotheses`: inputs into a batch's rows (one row
@@ -28,6 +30,13 @@ MIN_BUCKET = 8
 # more tokens (its cache that long), and searches again in full only the inputs
 # not finished by then (`first_search_length`).
 FIRST_SEARCH_EXTRA = 16
+# What a decoder of its own costs, in the units of padding (decoder rows
+# times the growth of the squared padded length): loading one from disk costs
+# ~0.2 s however few rows it decodes (compiling it, seconds), and padding a
+# row from L to L' tokens ~2e-7 s x (L'^2 - L^2) (its steps and the cache and
+# source they read grow with L; greedy, the small-corpus model, 2 CPU cores:
+# docs/decoding.md). `shared_buckets` weighs the two.
+DECODER_COST = 2**20
 
 
 def bucket_length(length: int, max_length: int) -> int:
@@ -49,21 +58,56 @@ def power_of_two_at_least(n: int, smallest: int) -> int:
   return size
 
 
+def shared_buckets(encoded: Sequence[list[int]], max_length: int, rows_per_input: int,
+                   decoder_cost: float = DECODER_COST) -> dict[int, int]:
+  """{bucket: the longer bucket its inputs are padded to}: the buckets of
+  `encoded` whose inputs are too few to pay for a decoder of their own. Of
+  every choice of the buckets to keep (the longest always; each other
+  bucket's inputs padded to the next kept one), the one of least cost:
+  `decoder_cost` per bucket kept, plus each input's `rows_per_input` (its
+  beams or samples) times the growth of its squared padded length (L'^2 -
+  L^2). 1,000 gettext lines greedy: buckets 8, 16, 32, 64 -> 32, 64 (2
+  decoders instead of 4); 10,000 lines: all 4 kept."""
+  rows: dict[int, int] = {}
+  for ids in encoded:
+    if ids:
+      length = bucket_length(len(ids), max_length)
+      rows[length] = rows.get(length, 0) + rows_per_input
+  in_use = sorted(rows)
+
+  def padded_to(kept: set[int]) -> dict[int, int]:
+    return {length: min(k for k in kept if k >= length) for length in in_use}
+
+  def cost(kept: set[int]) -> float:
+    return len(kept) * decoder_cost + sum(
+        rows[length] * (target**2 - length**2) for length, target in padded_to(kept).items())
+
+  choices = (  # (at most 2^(log2(max_length) - 3) of them: 64 for 512 tokens)
+      {length for i, length in enumerate(in_use[:-1]) if mask >> i & 1} | set(in_use[-1:])
+      for mask in range(2 ** max(len(in_use) - 1, 0)))
+  best = min(choices, key=cost)
+  return {length: target for length, target in padded_to(best).items() if target != length}
+
+
 def length_batches(encoded: Sequence[list[int]], max_length: int,
-                   inputs_per_batch: Callable[[int], int]) -> list[tuple[int, list[int]]]:
+                   inputs_per_batch: Callable[[int], int],
+                   shared: dict[int, int] | None = None) -> list[tuple[int, list[int]]]:
   """The decoding batches: [(padded length, indices of its inputs)]. The
   non-empty inputs, shortest first, are taken in that order, as many to a
   batch as `inputs_per_batch(padded length)` allows, and a batch is padded
-  to `bucket_length` of its longest. So only the last batch has rows left
+  to `bucket_length` of its longest, or to where `shared` (`shared_buckets`)
+  sends that bucket. So only the last batch has rows left
   over, where batches of one length bucket each (a bucket's last batch part
   empty) left 5-22% of the rows of 1,000 real sentences empty (at batch
   size 32-128; docs/benchmarks.md)."""
+  shared = shared or {}
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   batches: list[tuple[int, list[int]]] = []
   members: list[int] = []
   batch_length = 0  # of `members`: its last (longest) input's bucket
   for i in todo:
     length = bucket_length(len(encoded[i]), max_length)  # (the longest so far: sorted)
+    length = shared.get(length, length)
     if members and len(members) >= inputs_per_batch(length):
       batches.append((batch_length, members))
       members = []

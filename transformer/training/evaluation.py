@@ -70,6 +70,9 @@ class Evaluator:
       # Whole searches: early in training most translations run to the end,
       # and a short first search would decode (and compile) each twice.
       self._translator.first_search = False
+      # Buckets of their own: a translation that runs to the end runs to its
+      # own bucket's max length, not to a longer bucket's, at every evaluation.
+      self._translator.share_buckets = False
     else:
       self._translator.set_params(params)
     return self._translator
