@@ -124,7 +124,7 @@ class Translator:
   `share_buckets` (an attribute, default: True on CPU only): the inputs of a
   length bucket too few to pay for a decoder of their own are padded to the
   next longer bucket (`batching.shared_buckets`): 1,000 gettext lines, greedy,
-  2 decoders instead of 4 (a warm decode.py 0.2 s faster, a first one
+  2 decoders instead of 4 (a warm decode.py 0.3 s faster, a first one
   compiling half as long); its costs were measured on CPUs only.
 
   `shrink_batches` (an attribute, default: True on CPU only): a batch goes on
