@@ -51,8 +51,9 @@ def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=No
   inputs = np.asarray(jax.random.randint(jax.random.key(1), (sentences, SRC_LEN), 3,
                                          config.vocab_size))
   rows = np.zeros(sentences, np.int32)  # (each row's line and copy: sampling's keys)
+  limits = np.full(sentences, GEN_LEN, np.int32)  # (each row's most tokens: all of them)
   args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), rows, rows,
-          0.6, 1.0, 1.0, GEN_LEN, ())
+          limits, 0.6, 1.0, 1.0, GEN_LEN, ())
   start = time.perf_counter()
   compiled = fn.lower(*args).compile(compiler_options=compiler_options)
   return compiled, args, time.perf_counter() - start

@@ -354,36 +354,44 @@ def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_exa
                                                                          monkeypatch):
   """`Translator.share_buckets` (on by default on a CPU): two short inputs
   and a long one, a batch each, go through one decoder, the long one's
-  (`batching.shared_buckets`); off, through two. Greedy and beam 4
-  translate the same either way, given the same `max_len` (by default it
-  follows the padded length: this smoke-trained model's translations run
-  to it)."""
+  (`batching.shared_buckets`); off, through two. Greedy search and sampling
+  give the same hypotheses either way, each input ending at its own
+  bucket's length (this smoke-trained model's translations run to it).
+  Beam search keeps its buckets."""
   from transformer.decoding import translator as translator_lib
   translator = run_example(API_EXAMPLE)[0]["translator"]
   lengths = []
   dispatch = translator_lib.Translator._dispatch
 
   def recording(self, shape, inputs):
-    lengths.append(shape[2])  # the batch's padded source length
+    if decoder_option(shape, "max_len") < decoder_option(shape, "search_len"):
+      lengths.append(shape[2])  # the batch's padded source length (not a search again)
     return dispatch(self, shape, inputs)
 
   monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
   sentences = ["one cat", "forty-two red apples and seven new cars and one small cat and "
                "three old dogs and nine green birds", "seven new cars"]
   assert translator.share_buckets
-  for method in ("greedy", "beam"):
-    options = dict(method=method, batch_size=1, concurrent_batches=1, max_len=24)
+  runs = [("greedy", {}), ("sample", dict(n_best=2, top_k=5, seed=1)), ("beam", {})]
+  for method, options in runs:
+    options = dict(method=method, batch_size=1, concurrent_batches=1, **options)
     lengths.clear()
-    shared = translator.translate(sentences, **options)
-    assert len(lengths) == 3 and len(set(lengths)) == 1
+    shared = translator.translate_hypotheses(sentences, **options)
+    buckets = len(set(lengths))
     translator.share_buckets = False
     try:
       lengths.clear()
-      own = translator.translate(sentences, **options)
+      own = translator.translate_hypotheses(sentences, **options)
       assert len(set(lengths)) == 2 and max(lengths) == lengths[0]  # (longest first)
     finally:
       translator.share_buckets = True
-    assert shared == own, method
+    assert buckets == (2 if method == "beam" else 1), method
+    assert [[(h.text, h.length) for h in hyps] for hyps in shared] == [
+        [(h.text, h.length) for h in hyps] for hyps in own], method
+    np.testing.assert_allclose([[h.score for h in hyps] for hyps in shared],
+                               [[h.score for h in hyps] for hyps in own], rtol=1e-4)
+  short = translator.translate_hypotheses(sentences[:1], method="greedy")[0][0]
+  assert short.length == translator._output_length(8, None, 50)  # (the premise: no EOS)
 
 
 def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):

@@ -187,7 +187,7 @@ def _split_args(strategy, kwargs):
     value = kwargs.get(name, param.default)
     if value is None:  # (an option left out: empty_rows)
       continue
-    if name in ("rng", "empty_rows"):
+    if name in ("rng", "empty_rows", "row_limits"):
       dynamic[name] = value
     elif name in ("bos_id", "eos_id", "min_len"):
       dynamic[name] = jnp.int32(value)
@@ -862,6 +862,28 @@ def test_empty_rows_are_done_from_the_start_and_change_no_other_row(name):
   np.testing.assert_array_equal(skipped[1][~empty], full[1][~empty])
   assert (skipped[0][empty] == 0).all() and (full[0][empty] != 0).any()
   assert (skipped[1][empty] == (-np.inf if name == "beam" else 0.0)).all()
+
+@pytest.mark.parametrize("name,shrink", [("greedy", False), ("greedy", True),
+                                         ("sample", False), ("sample", True)])
+def test_row_limits_end_each_row_where_a_search_of_that_length_ends_it(name, shrink):
+  """`row_limits`: row r's tokens and score are those of the search with
+  max_len = row_limits[r] (then PAD): what a row padded to a longer bucket's
+  decoder needs to translate as in its own (`batching.shared_buckets`)."""
+  strategy, table, kw = _shrink_case(name, 0)
+  limits = np.array([2, 40, 5, 12, 2, 40, 5, 12, 40, 2, 12, 5], np.int32)  # (12 rows)
+  limited = run(strategy, table, OFFSETS, row_limits=jnp.asarray(limits),
+                **(dict(shrink=SHRINK) if shrink else {}), **kw)
+  cut = 0
+  for limit in sorted(set(limits.tolist())):
+    alone = run(strategy, table, OFFSETS, **{**kw, "max_len": limit})
+    for r in np.flatnonzero(limits == limit):
+      want = np.zeros(kw["max_len"], np.int32)
+      want[:limit] = alone[0][r]
+      np.testing.assert_array_equal(limited[0][r], want)
+      np.testing.assert_allclose(limited[1][r], alone[1][r], rtol=1e-6)
+      cut += limit < kw["max_len"] and kw["eos_id"] not in alone[0][r]
+  assert cut >= 3  # (the premise: rows that the limit, not an EOS, ended)
+
 
 @pytest.mark.parametrize("n, k, ties", [(9000, 8, False), (9000, 8, True), (40000, 8, True),
                                         (131072, 16, False)])

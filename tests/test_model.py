@@ -386,16 +386,15 @@ def test_beam_search_with_in_place_cache_equals_full_forward_search():
 
   translator = Translator(cfg, params, tokenizer=None)
   decode = translator._decode_fn("beam", batch, src.shape[1], max_len, beams, 0)
-  rows = np.zeros(batch, np.int32)
+  rows, limits = np.zeros(batch, np.int32), np.full(batch, max_len, np.int32)
   seqs, scores, _ = decode(translator.params, translator.logits_kernel, np.asarray(src),
-                           jax.random.key(0), rows, rows, 0.6, 1.0, 1.0, min_len, ())
+                           jax.random.key(0), rows, rows, limits, 0.6, 1.0, 1.0, min_len, ())
   np.testing.assert_array_equal(seqs, want_seqs)
   np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
 
   greedy = translator._decode_fn("greedy", batch, src.shape[1], max_len, 1, 0)
-  rows = np.zeros(batch, np.int32)
   seqs, scores, _ = greedy(translator.params, translator.logits_kernel, np.asarray(src),
-                           jax.random.key(0), rows, rows, 0.6, 1.0, 1.0, min_len, ())
+                           jax.random.key(0), rows, rows, limits, 0.6, 1.0, 1.0, min_len, ())
   want_seqs, want_scores = jax.jit(functools.partial(
       decoding.greedy_search, tokens_to_logits, **common),
       compiler_options=FAST_COMPILE)(init(src))
@@ -665,7 +664,7 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
         decode = translator._decode_fn(method, 8, src_len, 24, 4, 0, early_exit)
         out[early_exit] = jax.device_get(decode(
             translator.params, translator.logits_kernel, inputs, jax.random.key(0), rows,
-            rows, 0.6, 1.0, 1.0, 0, ()))
+            rows, np.full(8, 24, np.int32), 0.6, 1.0, 1.0, 0, ()))
       np.testing.assert_array_equal(out[True][0], out[False][0], err_msg=method)
       np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-5, err_msg=method)
       best = out[False][0][:, 0]

@@ -65,10 +65,9 @@ def shared_buckets(encoded: Sequence[list[int]], max_length: int, rows_per_input
   every choice of the buckets to keep (the longest always; each other
   bucket's inputs padded to the next kept one), the one of least cost:
   `decoder_cost` per bucket kept, plus each input's `rows_per_input` (its
-  beams or samples) times the growth of its squared padded length (L'^2 -
-  L^2). 1,000 gettext lines greedy: buckets 8, 16, 32, 64 -> 16, 64 (2
-  decoders instead of 4); beam 4: 16, 32, 64; 10,000 lines greedy: 16, 32,
-  64, beam 4: all four."""
+  samples) times the growth of its squared padded length (L'^2 - L^2).
+  1,000 gettext lines greedy: buckets 8, 16, 32, 64 -> 16, 64 (2 decoders
+  instead of 4); 10,000 lines: 16, 32, 64."""
   rows: dict[int, int] = {}
   for ids in encoded:
     if ids:

@@ -60,7 +60,8 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
            temperature=1.0, top_k: int = 0, top_p=1.0,
            min_len: int = 0, shrink: Shrink | None = None,
            empty_rows: jax.Array | None = None,
-           log_probs: bool = True) -> tuple[jax.Array, jax.Array]:
+           log_probs: bool = True,
+           row_limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Ancestral sampling with temperature, top-k and top-p (nucleus) filtering.
 
   At every step the logits are divided by `temperature`, then restricted to
@@ -84,6 +85,8 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
       row, so that a row's draws do not depend on the batch it is in).
     empty_rows: [batch] bool, rows with nothing to decode: finished from the start.
     log_probs: False: no scores (zeros), no log-sum-exp per step.
+    row_limits: [batch] int32, the most tokens each row generates (<=
+      max_len); None: max_len (`search.sampling_loop`).
 
   Returns:
     sequences: [batch, max_len] int32 (EOS included, then 0).
@@ -108,7 +111,7 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
   return sampling_loop(tokens_to_logits, cache, choose, batch_size=batch_size,
                        max_len=max_len, bos_id=bos_id, eos_id=eos_id,
                        min_len=min_len, shrink=shrink, empty_rows=empty_rows,
-                       log_probs=log_probs)
+                       log_probs=log_probs, row_limits=row_limits)
 
 
 def _draw(rng: jax.Array, step, logits: jax.Array) -> jax.Array:

@@ -166,7 +166,8 @@ class _SamplingState(NamedTuple):
 
 def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
                   bos_id, eos_id, min_len, shrink: Shrink | None = None,
-                  empty_rows: jax.Array | None = None, log_probs: bool = True):
+                  empty_rows: jax.Array | None = None, log_probs: bool = True,
+                  row_limits: jax.Array | None = None):
   """Shared loop of greedy search and sampling.
 
   choose_fn(logits [rows, vocab] float32, step, rows [rows] int32) -> token ids
@@ -177,6 +178,9 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
     fill up a batch): finished from the start (PAD, score 0).
   log_probs: False leaves the scores out (zeros): no log-sum-exp over the
     vocabulary at each step, for callers that keep only the tokens.
+  row_limits: [batch] int32, the most tokens each row generates (<= max_len:
+    the row ends there, as a search of that length would end it, then PAD);
+    None: max_len for every row.
   Returns (sequences [batch, max_len] int32, scores [batch] float32).
   """
 
@@ -190,12 +194,15 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
     token_log_probs = (jnp.take_along_axis(logits, tokens[:, None], axis=1)[:, 0]
                        - jax.nn.logsumexp(logits, axis=-1)) if log_probs else 0.0
     scores = state.scores + jnp.where(state.finished, 0.0, token_log_probs)
+    finished = state.finished | (tokens == eos_id)
+    if row_limits is not None:  # (indexed by input: the rows move when the batch shrinks)
+      finished = finished | (state.step + 1 >= row_limits[state.rows])
     return state._replace(
         step=state.step + 1,
         last_tokens=tokens,
         sequences=state.sequences.at[:, state.step].set(tokens),
         scores=scores,
-        finished=state.finished | (tokens == eos_id),
+        finished=finished,
         cache=cache,
     )
 
@@ -227,7 +234,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                   batch_size: int, max_len: int, bos_id: int, eos_id: int,
                   min_len: int = 0, shrink: Shrink | None = None,
                   empty_rows: jax.Array | None = None,
-                  log_probs: bool = True) -> tuple[jax.Array, jax.Array]:
+                  log_probs: bool = True,
+                  row_limits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Greedy decoding: the most probable next token at every step.
 
   Args:
@@ -246,6 +254,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       batch): finished from the start, they emit PAD and cost no steps.
     log_probs: False: no scores (zeros), and no log-sum-exp over the
       vocabulary at each step (a few % of a step).
+    row_limits: [batch] int32, the most tokens each row generates (<=
+      max_len); None: max_len (`sampling_loop`).
 
   Returns:
     sequences: [batch, max_len] int32 generated tokens (EOS included, then 0).
@@ -255,7 +265,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
   return sampling_loop(
       tokens_to_logits, cache, lambda logits, step, rows: argmax(logits),
       batch_size=batch_size, max_len=max_len, bos_id=bos_id, eos_id=eos_id,
-      min_len=min_len, shrink=shrink, empty_rows=empty_rows, log_probs=log_probs)
+      min_len=min_len, shrink=shrink, empty_rows=empty_rows, log_probs=log_probs,
+      row_limits=row_limits)
 
 
 # ---------------------------------------------------------------------------

@@ -121,11 +121,13 @@ class Translator:
   whole search at once (training's evaluation: an undertrained model's
   translations run to the end, and each would be searched twice).
 
-  `share_buckets` (an attribute, default: True on CPU only): the inputs of a
-  length bucket too few to pay for a decoder of their own are padded to the
-  next longer bucket (`batching.shared_buckets`): 1,000 gettext lines, greedy,
-  2 decoders instead of 4 (a warm decode.py 0.3 s faster, a first one
-  compiling half as long); its costs were measured on CPUs only.
+  `share_buckets` (an attribute, default: True on CPU only): greedy search
+  and sampling pad the inputs of a length bucket too few to pay for a
+  decoder of their own to the next longer bucket (`batching.shared_buckets`),
+  each still ending at its own bucket's length (`row_limits`): 1,000
+  gettext lines, greedy, 2 decoders instead of 4 (a warm decode.py 0.3 s
+  faster, a first one compiling half as long); its costs were measured on
+  CPUs only. Beam search keeps its buckets (docs/decoding.md).
 
   `shrink_batches` (an attribute, default: True on CPU only): a batch goes on
   with fewer rows once most of its inputs are done (`_shrink`). Measured on
@@ -224,8 +226,11 @@ class Translator:
                  packed: bool = False, search_len: int = 0):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
-    row_copies [batch], length_penalty, temperature, top_p, min_len, packing) ->
-    (sequences [batch, n, max_len], scores [batch, n], done [batch]). `translate_hypotheses`
+    row_copies [batch], row_limits [batch], length_penalty, temperature, top_p,
+    min_len, packing) -> (sequences [batch, n, max_len], scores [batch, n],
+    done [batch]). Greedy search and sampling end row r after row_limits[r]
+    tokens (its own bucket's length, where it shares a longer bucket's
+    decoder: `batching.shared_buckets`); beam search ignores them. `translate_hypotheses`
     compiles it once per shape (`self._executables`). Sampling draws row r's
     tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`, `rng`
     the PRNG key whose `jax.random.key_data` is `key_data`: a line's
@@ -245,8 +250,8 @@ class Translator:
     go on in a longer search (`batching.first_search_length`)."""
     cfg, model = self.config, self.model
 
-    def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, length_penalty,
-            temperature, top_p, min_len, packing):
+    def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
+            length_penalty, temperature, top_p, min_len, packing):
       if packed:  # the encoder on the sentences packed several to a row
         encoded = source_packing.encode_packed(
             lambda tokens, segments, positions: model.apply(
@@ -276,7 +281,7 @@ class Translator:
             **common)
       if method == "greedy":
         seqs, scores = decoding.greedy_search(tokens_to_logits, state(), log_probs=log_probs,
-                                              **common)
+                                              row_limits=row_limits, **common)
       else:
         fold_in = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
         rng = jax.random.wrap_key_data(key_data)
@@ -284,15 +289,18 @@ class Translator:
         seqs, scores = sampling.sample(
             tokens_to_logits, state(), rng=row_keys,
             temperature=temperature if temperature_on else 1.0, top_k=top_k,
-            top_p=top_p if top_p_on else 1.0, log_probs=log_probs, **common)
-      done = jnp.any(seqs == cfg.eos_id, axis=1) | common["empty_rows"]
+            top_p=top_p if top_p_on else 1.0, log_probs=log_probs, row_limits=row_limits,
+            **common)
+      # Done: an EOS, nothing to decode, or its own length reached within these steps.
+      done = (jnp.any(seqs == cfg.eos_id, axis=1) | common["empty_rows"]
+              | (row_limits <= max_len))
       return seqs[:, None], scores[:, None], done
 
     data = NamedSharding(self.mesh, P("data"))
     replicated = NamedSharding(self.mesh, P())
     return jax.jit(run, in_shardings=(self._param_shardings, self._logits_kernel_sharding,
-                                      data, replicated, data, data, replicated, replicated,
-                                      replicated, replicated, data),
+                                      data, replicated, data, data, data, replicated,
+                                      replicated, replicated, replicated, data),
                    out_shardings=(data, data, data))
 
   def _shrink(self, shrink: bool) -> decoding.Shrink | None:
@@ -418,10 +426,15 @@ class Translator:
     batches = []  # (shape, member indices)
     inputs_per_batch = lambda src_len: max(
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
-    # Buckets too small to pay for a decoder of their own go to a longer one.
-    shared = (batching.shared_buckets(encoded, self.config.max_len,
-                                      rows_per_input=beam_size if method == "beam" else copies)
-              if self.share_buckets else {})
+    # Buckets too small to pay for a decoder of their own go to a longer one
+    # (greedy and sampling: each input still ends at its own bucket's length).
+    shared = (batching.shared_buckets(encoded, self.config.max_len, rows_per_input=copies)
+              if self.share_buckets and method != "beam" else {})
+
+    def own_limit(i: int) -> int:
+      """Most tokens input i generates: its own bucket's output length."""
+      return self._output_length(batching.bucket_length(len(encoded[i]), self.config.max_len),
+                                 max_len, extra_len)
     for src_len, members in batching.length_batches(encoded, self.config.max_len,
                                                     inputs_per_batch, shared):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
@@ -446,10 +459,12 @@ class Translator:
       row_lines = np.zeros(rows, np.int32)
       row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
       row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
+      row_limits = np.full(rows, _decoder_option(shape, "search_len"), np.int32)
+      row_limits[:len(members) * copies] = np.repeat([own_limit(i) for i in members], copies)
       packing = (tuple(source_packing.pack([ids for ids in sources for _ in range(copies)],
                                            rows, shape[2]))
                  if _decoder_option(shape, "packed") else ())
-      return inputs, key_data, row_lines, row_copies, *options, packing
+      return inputs, key_data, row_lines, row_copies, row_limits, *options, packing
 
     searched_again = []  # (shape, members): inputs a first search left unfinished
 
@@ -472,7 +487,10 @@ class Translator:
           picked = (kept[:, None] * copies + np.arange(copies)).reshape(-1)  # their rows
           seqs, scores = seqs[picked], scores[picked]
       rows = batching.unpack_hypotheses(seqs, scores, len(members), copies, n_best)
-      ids = [[row_ids.tolist() for row_ids, _ in hyps] for hyps in rows]
+      # (greedy and sampling: PAD after a row's own length; beam search ran
+      # every input to the batch's length)
+      ids = [[row_ids.tolist()[:None if method == "beam" else own_limit(i)]
+              for row_ids, _ in hyps] for i, hyps in zip(members, rows)]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
       # Beam scores are log p / lp(length): log p is the score times lp (in
       # numpy: in jax it compiled 4 small programs at a process's first beam batch).
