@@ -65,7 +65,7 @@ def bench(shape: str, method: str, beam_size: int, repeats: int,
   rounds after one warm-up: both see the same neighbours, so their ratio is
   steadier than either time on a shared machine (the figures are medians)."""
   compiled, args, compile_s = compile_decoder(shape, method, beam_size, sentences=sentences)
-  seqs, _ = compiled(*args)
+  seqs, *_ = compiled(*args)  # (sequences, scores, done)
   assert int(np.sum(np.asarray(seqs)[:, 0] != 0)) == sentences * GEN_LEN, "EOS ended early"
   floor, floor_args = matmul_floor(shape, sentences * beam_size)
   rounds = []

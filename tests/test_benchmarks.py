@@ -459,3 +459,14 @@ def test_batching_benchmark_counts_the_steps_decoders_run_as_its_arithmetic_does
                                                      shrink_factor=2)
   assert (steps, tokens) == (expected, sum(lengths))
   assert steps > tokens  # (a batch runs rows past their sentences' ends)
+
+
+def test_decode_benchmark_runs_the_translators_decoder_for_every_step():
+  """`bench_decode.bench` calls a Translator decoder as `translate_hypotheses`
+  does (its arguments, its three outputs): a change of the decoder's
+  signature fails here, not at the next measurement. Every row decodes all
+  GEN_LEN steps (random weights: no EOS), which `bench` asserts."""
+  from benchmarks import bench_decode
+  for method, beams in (("greedy", 1), ("beam", 2)):
+    row = bench_decode.bench("S", method, beams, repeats=1, sentences=2)
+    assert row["sentences"] == 2 and row["seconds"] > 0 and row["floor_s"] > 0
