@@ -85,8 +85,8 @@ def sample(tokens_to_logits: TokensToLogits, cache: PyTree, *, rng: jax.Array,
       row, so that a row's draws do not depend on the batch it is in).
     empty_rows: [batch] bool, rows with nothing to decode: finished from the start.
     log_probs: False: no scores (zeros), no log-sum-exp per step.
-    row_limits: [batch] int32, the most tokens each row generates (<=
-      max_len); None: max_len (`search.sampling_loop`).
+    row_limits: [batch] int32, the most tokens each row generates (a limit
+      of max_len or more changes nothing); None: max_len (`search.sampling_loop`).
 
   Returns:
     sequences: [batch, max_len] int32 (EOS included, then 0).

@@ -178,9 +178,9 @@ def sampling_loop(tokens_to_logits, cache, choose_fn, *, batch_size, max_len,
     fill up a batch): finished from the start (PAD, score 0).
   log_probs: False leaves the scores out (zeros): no log-sum-exp over the
     vocabulary at each step, for callers that keep only the tokens.
-  row_limits: [batch] int32, the most tokens each row generates (<= max_len:
-    the row ends there, as a search of that length would end it, then PAD);
-    None: max_len for every row.
+  row_limits: [batch] int32, the most tokens each row generates: the row
+    ends there, as a search of that length would end it (then PAD); a limit
+    of max_len or more changes nothing. None: max_len for every row.
   Returns (sequences [batch, max_len] int32, scores [batch] float32).
   """
 
@@ -254,8 +254,8 @@ def greedy_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       batch): finished from the start, they emit PAD and cost no steps.
     log_probs: False: no scores (zeros), and no log-sum-exp over the
       vocabulary at each step (a few % of a step).
-    row_limits: [batch] int32, the most tokens each row generates (<=
-      max_len); None: max_len (`sampling_loop`).
+    row_limits: [batch] int32, the most tokens each row generates (a limit
+      of max_len or more changes nothing); None: max_len (`sampling_loop`).
 
   Returns:
     sequences: [batch, max_len] int32 generated tokens (EOS included, then 0).
