@@ -350,6 +350,22 @@ def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_
   assert all(math.isfinite(h.score) for hyps in ranked for h in hyps)
 
 
+def _record_padded_lengths(monkeypatch) -> list[int]:
+  """A list that every Translator appends each batch's padded source length
+  to as it dispatches it (first searches only, not searches again)."""
+  from transformer.decoding import translator as translator_lib
+  lengths = []
+  dispatch = translator_lib.Translator._dispatch
+
+  def recording(self, shape, inputs):
+    if decoder_option(shape, "max_len") < decoder_option(shape, "search_len"):
+      lengths.append(shape[2])
+    return dispatch(self, shape, inputs)
+
+  monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
+  return lengths
+
+
 def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_example,
                                                                          monkeypatch):
   """`Translator.share_buckets` (on by default on a CPU): two short inputs
@@ -358,17 +374,8 @@ def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_exa
   give the same hypotheses either way, each input ending at its own
   bucket's length (this smoke-trained model's translations run to it).
   Beam search keeps its buckets."""
-  from transformer.decoding import translator as translator_lib
   translator = run_example(API_EXAMPLE)[0]["translator"]
-  lengths = []
-  dispatch = translator_lib.Translator._dispatch
-
-  def recording(self, shape, inputs):
-    if decoder_option(shape, "max_len") < decoder_option(shape, "search_len"):
-      lengths.append(shape[2])  # the batch's padded source length (not a search again)
-    return dispatch(self, shape, inputs)
-
-  monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
+  lengths = _record_padded_lengths(monkeypatch)
   sentences = ["one cat", "forty-two red apples and seven new cars and one small cat and "
                "three old dogs and nine green birds", "seven new cars"]
   assert translator.share_buckets
@@ -401,15 +408,7 @@ def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, m
   from transformer.decoding import translator as translator_lib
   translator = run_example(API_EXAMPLE)[0]["translator"]
   monkeypatch.setattr(translator, "share_buckets", False)
-  lengths = []
-  dispatch = translator_lib.Translator._dispatch
-
-  def recording(self, shape, inputs):
-    if decoder_option(shape, "max_len") < decoder_option(shape, "search_len"):
-      lengths.append(shape[2])  # the batch's padded source length (not a search again)
-    return dispatch(self, shape, inputs)
-
-  monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
+  lengths = _record_padded_lengths(monkeypatch)
   sentences = ["one small cat", "forty-two red apples and seven new cars and one small cat",
                "a cat", "seven new cars"]
   options = dict(method="greedy", batch_size=1, concurrent_batches=1)
