@@ -398,7 +398,7 @@ def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_exa
     np.testing.assert_allclose([[h.score for h in hyps] for hyps in shared],
                                [[h.score for h in hyps] for hyps in own], rtol=1e-4)
   short = translator.translate_hypotheses(sentences[:1], method="greedy")[0][0]
-  assert short.length == translator._output_length(8, None, 50)  # (the premise: no EOS)
+  assert short.length == 8 + 50  # (the premise: no EOS; its bucket, 8, + extra_len)
 
 
 def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):

@@ -430,15 +430,14 @@ class Translator:
     # (greedy and sampling: each input still ends at its own bucket's length).
     shared = (batching.shared_buckets(encoded, self.config.max_len, rows_per_input=copies)
               if self.share_buckets and method != "beam" else {})
-
-    def own_limit(i: int) -> int:
-      """Most tokens input i generates: its own bucket's output length."""
-      return self._output_length(batching.bucket_length(len(encoded[i]), self.config.max_len),
-                                 max_len, extra_len)
+    limits = {}  # input -> most tokens it generates (greedy, sampling: its own bucket's)
     for src_len, members in batching.length_batches(encoded, self.config.max_len,
                                                     inputs_per_batch, shared):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
       out_len = self._output_length(src_len, max_len, extra_len)
+      for i in members:  # (beam search runs every input to its batch's length)
+        limits[i] = out_len if method == "beam" else self._output_length(
+            batching.bucket_length(len(encoded[i]), self.config.max_len), max_len, extra_len)
       first_len = (batching.first_search_length(src_len, out_len, min_len)
                    if early_exit and self.first_search else out_len)
       shape = (method, rows, src_len, first_len,
@@ -460,7 +459,7 @@ class Translator:
       row_lines[:len(members) * copies] = np.repeat(np.asarray(members) + first_line, copies)
       row_copies = np.tile(np.arange(copies, dtype=np.int32), rows // copies + 1)[:rows]
       row_limits = np.full(rows, _decoder_option(shape, "search_len"), np.int32)
-      row_limits[:len(members) * copies] = np.repeat([own_limit(i) for i in members], copies)
+      row_limits[:len(members) * copies] = np.repeat([limits[i] for i in members], copies)
       packing = (tuple(source_packing.pack([ids for ids in sources for _ in range(copies)],
                                            rows, shape[2]))
                  if _decoder_option(shape, "packed") else ())
@@ -487,10 +486,8 @@ class Translator:
           picked = (kept[:, None] * copies + np.arange(copies)).reshape(-1)  # their rows
           seqs, scores = seqs[picked], scores[picked]
       rows = batching.unpack_hypotheses(seqs, scores, len(members), copies, n_best)
-      # (greedy and sampling: PAD after a row's own length; beam search ran
-      # every input to the batch's length)
-      ids = [[row_ids.tolist()[:None if method == "beam" else own_limit(i)]
-              for row_ids, _ in hyps] for i, hyps in zip(members, rows)]
+      ids = [[row_ids.tolist()[:limits[i]] for row_ids, _ in hyps]  # (then PAD)
+             for i, hyps in zip(members, rows)]
       lengths = np.asarray([[self._length(h) for h in hyps] for hyps in ids])
       # Beam scores are log p / lp(length): log p is the score times lp (in
       # numpy: in jax it compiled 4 small programs at a process's first beam batch).
