@@ -885,6 +885,61 @@ def test_row_limits_end_each_row_where_a_search_of_that_length_ends_it(name, shr
   assert cut >= 3  # (the premise: rows that the limit, not an EOS, ended)
 
 
+@pytest.mark.parametrize("shrink", [False, True])
+def test_beam_search_row_limits_search_each_input_to_its_own_length(shrink):
+  """`row_limits` in beam search: input b's hypotheses and scores are those
+  of the search with max_len = row_limits[b] (then PAD): below the batch's
+  max_len its hypotheses stop growing there and its alive ones are scored
+  at that length; what an input padded to a longer bucket's decoder, or
+  batched with longer inputs, needs to translate as in its own."""
+  strategy, table, kw = _shrink_case("beam", 0)
+  table[:, kw["eos_id"]] -= 2.0  # (EOS rarer: more searches that the limit ends)
+  limits = np.array([2, 40, 5, 12, 2, 40, 5, 12, 40, 2, 12, 5], np.int32)  # (12 inputs)
+  limited = run(strategy, table, OFFSETS, row_limits=jnp.asarray(limits),
+                **(dict(shrink=SHRINK) if shrink else {}), **kw)
+  cut = 0
+  for limit in sorted(set(limits.tolist())):
+    alone = run(strategy, table, OFFSETS, **{**kw, "max_len": limit})
+    for b in np.flatnonzero(limits == limit):
+      want = np.zeros((kw["beam_size"], kw["max_len"]), np.int32)
+      want[:, :limit] = alone[0][b]
+      np.testing.assert_array_equal(limited[0][b], want)
+      np.testing.assert_allclose(limited[1][b], alone[1][b], rtol=1e-6)
+      cut += limit < kw["max_len"] and kw["eos_id"] not in alone[0][b, 0]
+  assert cut >= 3  # (the premise: inputs whose best the limit, not an EOS, ended)
+
+
+@pytest.mark.parametrize("table_seed,alpha,eos_bias,n_best", [
+    (201, 0.6, -1.0, 1), (205, 0.6, 0.5, 3), (204, 1.5, 0.0, 1),
+    (201, 2.0, 1.0, 1)])  # (bounded at the shorter limit, 3 inputs would be done too soon)
+def test_beam_search_row_limits_bound_a_first_part_at_each_input_s_length(
+    table_seed, alpha, eos_bias, n_best):
+  """`row_limits` above max_len (a first part of each input's search): the
+  inputs it says are done have the n-best and scores of their own whole
+  search (to their own limit, without early exit), and the others include
+  some that it would have changed."""
+  eos_id, first = 5, 8
+  table = random_table(table_seed, VOCAB)
+  table[:, eos_id] += eos_bias
+  kw = dict(beam_size=4, length_penalty=alpha, bos_id=0, eos_id=eos_id)
+  limits = np.array([10, 30] * 6, np.int32)
+  seqs, scores, done = run(decoding.beam_search, table, OFFSETS, max_len=first,
+                           row_limits=jnp.asarray(limits), return_done=True, n_best=n_best,
+                           **kw)
+  assert 0 < done.sum() < len(OFFSETS)
+  changed = 0
+  for limit in (10, 30):
+    whole_seqs, whole_scores = run(decoding.beam_search, table, OFFSETS, max_len=limit,
+                                   early_exit=False, **kw)
+    for b in np.flatnonzero(limits == limit):
+      same = (np.array_equal(seqs[b, :n_best], whole_seqs[b, :n_best, :first])
+              and not whole_seqs[b, :n_best, first:].any()
+              and np.array_equal(scores[b, :n_best], whole_scores[b, :n_best]))
+      assert same or not done[b], b
+      changed += not same
+  assert changed  # (the premise: a first part alone is no answer)
+
+
 @pytest.mark.parametrize("n, k, ties", [(9000, 8, False), (9000, 8, True), (40000, 8, True),
                                         (131072, 16, False)])
 def test_top_k_large_equals_lax_top_k(n, k, ties):

@@ -282,6 +282,7 @@ class _BeamState(NamedTuple):
   last_tokens: jax.Array  # [batch, beams] int32, fed to the model next.
   finished_seqs: jax.Array  # [batch, beams, max_len] int32, end in EOS.
   finished_scores: jax.Array  # [batch, beams] float32 log p / lp, sorted, -inf = empty.
+  limits: jax.Array  # [batch] int32: the length each input's search runs to.
   cache: PyTree  # Leaves [batch * beams, ...] (batch-major), or scalars.
 
 
@@ -298,7 +299,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
                 shrink: Shrink | None = None,
                 empty_rows: jax.Array | None = None,
                 n_best: int | None = None, stop: str = "exact",
-                bound_len: int | None = None, return_done: bool = False) -> tuple[jax.Array, ...]:
+                bound_len: int | None = None, row_limits: jax.Array | None = None,
+                return_done: bool = False) -> tuple[jax.Array, ...]:
   """Beam search with the GNMT length penalty.
 
   One function on purpose: its step (`step_fn`) and stopping test (`done_fn`)
@@ -373,6 +375,13 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       max_len steps has what a search of bound_len steps would give it. (A
       caller decodes a short first part, with a short cache, and searches
       again in full only the inputs that are not done: `Translator`.)
+    row_limits: [batch] int32, each input's own bound_len (None: bound_len
+      for all): input b's search is one of row_limits[b] steps. Below
+      max_len, its hypotheses stop growing there (its state frozen at that
+      step, its alive ones scored at that length), as a search of that
+      max_len would leave them; above, its bound looks that far. So an
+      input's result does not depend on the batch it is decoded in (the
+      inputs of a batch padded to a longer bucket keep their own limit).
     return_done: also return `done`.
 
   Returns:
@@ -390,6 +399,8 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
   bound_len = max_len if bound_len is None else bound_len
   if bound_len < max_len:
     raise ValueError(f"bound_len={bound_len} must be at least max_len={max_len}")
+  limits = (jnp.full((batch,), bound_len, jnp.int32) if row_limits is None
+            else jnp.asarray(row_limits, jnp.int32))
   if not 1 <= n_best <= beams:
     raise ValueError(f"n_best={n_best} must be in 1 ... beam_size={beams}")
   if stop not in BEAM_STOPS:
@@ -440,7 +451,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     all_seqs = jnp.concatenate([state.finished_seqs, topk_seqs], axis=1)
     finished_scores, finished_idx = lax.top_k(all_scores, beams)
 
-    return _BeamState(
+    new = state._replace(
         step=step + 1,
         alive_seqs=_gather_beams(topk_seqs, alive_idx),
         alive_log_probs=new_alive_log_probs,
@@ -449,6 +460,15 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
         finished_scores=finished_scores,
         cache=cache,
     )
+    if row_limits is None:  # (every input runs to max_len <= bound_len)
+      return new
+    # An input whose search ended at its own limit keeps its hypotheses as
+    # they were then (its rows' cache goes on being written, unread).
+    ended = step >= state.limits
+    keep = lambda old, new: jnp.where(ended.reshape((-1,) + (1,) * (old.ndim - 1)), old, new)
+    return new._replace(**{field: keep(getattr(state, field), getattr(new, field))
+                           for field in ("alive_seqs", "alive_log_probs", "last_tokens",
+                                         "finished_seqs", "finished_scores")})
 
   def input_done(state: _BeamState) -> jax.Array:
     """[batch] bool: no alive hypothesis of the input can still change its
@@ -460,17 +480,19 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     # because s <= 0. "current": only the next step's length.
     max_lp = gnmt_length_penalty(state.step + 1, alpha)
     if stop == "exact":
-      max_lp = jnp.maximum(max_lp, gnmt_length_penalty(bound_len, alpha))
+      max_lp = jnp.maximum(max_lp, gnmt_length_penalty(state.limits, alpha))
     cannot_improve = best_alive / max_lp < worst_finished
     no_alive = best_alive == NEG_INF
-    return cannot_improve | no_alive
+    return cannot_improve | no_alive | (state.step >= state.limits)  # (its whole search run)
 
   def results(state: _BeamState) -> tuple[jax.Array, ...]:
     """The finished hypotheses, then (in the slots finished ones did not fill)
     the alive ones, truncated at max_len. Both blocks are sorted best first,
     so a stable sort that only moves empty slots (-inf) to the end keeps that
     order. (And `done`, with return_done.)"""
-    alive_scores = state.alive_log_probs / gnmt_length_penalty(max_len, alpha)
+    # (the length they were cut at: max_len, or their own limit, if shorter)
+    cut = jnp.minimum(state.limits, max_len)[:, None]
+    alive_scores = state.alive_log_probs / gnmt_length_penalty(cut, alpha)
     scores = jnp.concatenate([state.finished_scores, alive_scores], axis=1)
     seqs = jnp.concatenate([state.finished_seqs, state.alive_seqs], axis=1)
     empty = (scores == NEG_INF).astype(jnp.int32)
@@ -479,7 +501,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
     seqs = jnp.where((scores > NEG_INF)[:, :, None], _gather_beams(seqs, order), 0)
     if not return_done:
       return seqs, scores
-    return seqs, scores, input_done(state) | (state.step >= bound_len)  # (nothing left to search)
+    return seqs, scores, input_done(state)
 
   # Only beam 0 is alive at the start; the others would be duplicates.
   first = 0.0 if empty_rows is None else jnp.where(empty_rows, NEG_INF, 0.0)
@@ -491,6 +513,7 @@ def beam_search(tokens_to_logits: TokensToLogits, cache: PyTree, *,
       last_tokens=jnp.full((batch, beams), bos_id, jnp.int32),
       finished_seqs=jnp.zeros((batch, beams, max_len), jnp.int32),
       finished_scores=jnp.full((batch, beams), NEG_INF, jnp.float32),
+      limits=limits,
       cache=cache,
   )
   if shrink is None or not early_exit:

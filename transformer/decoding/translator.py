@@ -121,13 +121,13 @@ class Translator:
   whole search at once (training's evaluation: an undertrained model's
   translations run to the end, and each would be searched twice).
 
-  `share_buckets` (an attribute, default: True on CPU only): greedy search
-  and sampling pad the inputs of a length bucket too few to pay for a
-  decoder of their own to the next longer bucket (`batching.shared_buckets`),
-  each still ending at its own bucket's length (`row_limits`): 1,000
-  gettext lines, greedy, 2 decoders instead of 4 (a warm decode.py 0.3 s
-  faster, a first one compiling half as long); its costs were measured on
-  CPUs only. Beam search keeps its buckets (docs/decoding.md).
+  `share_buckets` (an attribute, default: True on CPU only): the inputs of a
+  length bucket too few to pay for a decoder of their own are padded to the
+  next longer bucket (`batching.shared_buckets`), each still searched to
+  its own bucket's length (`row_limits`): 1,000 gettext lines, greedy, 2
+  decoders instead of 4 (a warm decode.py 0.3 s faster, a first one
+  compiling half as long); its costs were measured on CPUs only
+  (docs/decoding.md).
 
   `shrink_batches` (an attribute, default: True on CPU only): a batch goes on
   with fewer rows once most of its inputs are done (`_shrink`). Measured on
@@ -228,9 +228,11 @@ class Translator:
     (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
     row_copies [batch], row_limits [batch], length_penalty, temperature, top_p,
     min_len, packing) -> (sequences [batch, n, max_len], scores [batch, n],
-    done [batch]). Greedy search and sampling end row r after row_limits[r]
-    tokens (its own bucket's length, where it shares a longer bucket's
-    decoder: `batching.shared_buckets`); beam search ignores them. `translate_hypotheses`
+    done [batch]). Row r's search is one of row_limits[r] tokens (its own
+    bucket's length, where it shares a longer bucket's decoder or is batched
+    with longer inputs: `batching.shared_buckets`); greedy search and
+    sampling end it there, beam search stops its hypotheses there and bounds
+    them at that length (`search.beam_search`). `translate_hypotheses`
     compiles it once per shape (`self._executables`). Sampling draws row r's
     tokens from `fold_in(fold_in(rng, row_lines[r]), row_copies[r])`, `rng`
     the PRNG key whose `jax.random.key_data` is `key_data`: a line's
@@ -276,7 +278,8 @@ class Translator:
         return decoding.beam_search(
             tokens_to_logits, state(beam_size), beam_size=beam_size,
             length_penalty=length_penalty, early_exit=early_exit, n_best=n_best or None,
-            stop=beam_stop, bound_len=max(search_len, max_len), return_done=True,
+            stop=beam_stop, bound_len=max(search_len, max_len), row_limits=row_limits,
+            return_done=True,
             reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
             **common)
       if method == "greedy":
@@ -428,15 +431,16 @@ class Translator:
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
     # Buckets too small to pay for a decoder of their own go to a longer one
     # (greedy and sampling: each input still ends at its own bucket's length).
-    shared = (batching.shared_buckets(encoded, self.config.max_len, rows_per_input=copies)
-              if self.share_buckets and method != "beam" else {})
-    limits = {}  # input -> most tokens it generates (greedy, sampling: its own bucket's)
+    shared = (batching.shared_buckets(
+        encoded, self.config.max_len, rows_per_input=beam_size if method == "beam" else copies)
+              if self.share_buckets else {})
+    limits = {}  # input -> most tokens it generates: its own bucket's
     for src_len, members in batching.length_batches(encoded, self.config.max_len,
                                                     inputs_per_batch, shared):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
       out_len = self._output_length(src_len, max_len, extra_len)
-      for i in members:  # (beam search runs every input to its batch's length)
-        limits[i] = out_len if method == "beam" else self._output_length(
+      for i in members:
+        limits[i] = self._output_length(
             batching.bucket_length(len(encoded[i]), self.config.max_len), max_len, extra_len)
       first_len = (batching.first_search_length(src_len, out_len, min_len)
                    if early_exit and self.first_search else out_len)
