@@ -61,10 +61,11 @@ from transformer.decoding.options import BEAM_STOPS
 BATCHINGS = ("consecutive", "per bucket")
 
 
-def per_bucket_batches(encoded, max_length, inputs_per_batch, shared=None):
+def per_bucket_batches(encoded, max_length, inputs_per_batch, shared=None, least_padding=True):
   """The batching before 2026-11-26 (for comparison): inputs grouped by
   length bucket, each bucket cut into batches, so each bucket's last batch
-  has empty rows. Same signature as `batching.length_batches`."""
+  has empty rows. Same signature as `batching.length_batches` (whose
+  `least_padding` it has no use for)."""
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   buckets: dict[int, list[int]] = {}
   for i in todo:
@@ -77,9 +78,20 @@ def per_bucket_batches(encoded, max_length, inputs_per_batch, shared=None):
   return batches
 
 
-def make_batches(batching: str, encoded, max_length: int, batch: int):
+def make_batches(batching: str, encoded, max_length: int, batch: int, shared=None):
+  """The batches of `batch` inputs that `batching` makes; `shared`: the
+  buckets sent to longer ones (`greedy_shared`)."""
   form = batching_lib.length_batches if batching == "consecutive" else per_bucket_batches
-  return form(encoded, max_length, lambda src_len: batch)
+  return form(encoded, max_length, lambda src_len: batch, shared)
+
+
+def greedy_shared(translator, encoded) -> dict[int, int]:
+  """The buckets `translator` shares when it decodes `encoded` greedily
+  (`batching.shared_buckets`; {} with `share_buckets` off): greedy batches
+  depend on them (`batching.length_batches` cuts where they pad the least)."""
+  if not translator.share_buckets:
+    return {}
+  return batching_lib.shared_buckets(encoded, translator.config.max_len, rows_per_input=1)
 
 
 def row_steps(steps_needed: list[int], batch: int, chunk: int, sizes: list[int]) -> int:
@@ -162,7 +174,8 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
   for batch in batch_sizes:
     sizes = shrink_sizes(translator, batch, translator_lib.SHRINK_FACTOR)
     for batching in BATCHINGS:
-      batches = make_batches(batching, encoded, max_length, batch)
+      batches = make_batches(batching, encoded, max_length, batch,
+                             greedy_shared(translator, encoded))
       read = sum(batch * src_len for src_len, _ in batches)
       packed = sum(packed_read([encoded[i] for i in members], batch, src_len)
                    for src_len, members in batches)
@@ -331,7 +344,8 @@ def main(argv=None) -> int:
     print("| batch | shrink by | step sizes compiled | decoder row-steps that generate a token |")
     print("|---|---|---|---|")
     for batch in batch_sizes:
-      batches = make_batches("consecutive", encoded, translator.config.max_len, batch)
+      batches = make_batches("consecutive", encoded, translator.config.max_len, batch,
+                             greedy_shared(translator, encoded))
       for factor in shrink_factors:
         sizes = shrink_sizes(translator, batch, factor)
         run = batches_row_steps(generated, batches, batch, 2, sizes)

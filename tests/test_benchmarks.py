@@ -453,7 +453,8 @@ def test_batching_benchmark_counts_the_steps_decoders_run_as_its_arithmetic_does
   encoded, _ = translator._encode(lines)
   sizes = bench_batching.shrink_sizes(translator, 16, 2)
   assert sizes == [16, 8]
-  batches = bench_batching.make_batches("consecutive", encoded, translator.config.max_len, 16)
+  batches = bench_batching.make_batches("consecutive", encoded, translator.config.max_len, 16,
+                                        bench_batching.greedy_shared(translator, encoded))
   expected = bench_batching.batches_row_steps(lengths, batches, 16, 2, sizes)
   steps, tokens = bench_batching.counted_input_steps(translator, lines, "greedy", 16,
                                                      shrink_factor=2)

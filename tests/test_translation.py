@@ -4,6 +4,7 @@ test_decode_cli.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -72,6 +73,51 @@ def test_length_batches_by_tokens_close_a_batch_before_it_outgrows_them():
   # 4 inputs of bucket 8, then the 9-token one would pad them to 16: full.
   assert batching.length_batches(encoded, 64, per_batch) == [
       (8, [0, 1, 2, 3]), (16, [4, 5, 6]), (32, [7])]
+
+
+def test_length_batches_cut_where_they_pad_the_least_when_that_halves_the_padding():
+  """With one batch size, as many batches as filling each in turn makes, cut
+  where padding each input to its batch's longest costs the least (sum of
+  L_batch^2 - L^2), if that is at most half of what filling in turn pads."""
+  tokens = lambda *lengths: [[5] * n for n in lengths]
+  three = lambda src_len: 3
+  # Buckets 8 x5, 32 x2, 3 a batch: filled in turn, inputs 3 and 4 are padded
+  # to 32 (2 x (1024 - 64) = 1,920); the rows left over let them end a batch.
+  encoded = tokens(3, 4, 5, 6, 7, 20, 25)
+  assert batching.length_batches(encoded, 32, three) == [
+      (8, [0, 1, 2]), (8, [3, 4]), (32, [5, 6])]
+  assert batching.length_batches(encoded, 32, three, least_padding=False) == [
+      (8, [0, 1, 2]), (32, [3, 4, 5]), (32, [6])]
+  # Buckets 8 x4, 32 x2, 64 x1, 5 a batch: in turn pads the four 8s to 32 and
+  # a 32 to 64 (4 x 960 + 3,072 = 6,912); cut after the 8s, the two 32s to 64
+  # (6,144): not half, so filled in turn.
+  encoded = tokens(3, 4, 5, 6, 20, 25, 40)
+  assert batching.length_batches(encoded, 64, lambda src_len: 5) == [
+      (32, [0, 1, 2, 3, 4]), (64, [5, 6])]
+  # Sizes that depend on the length (`--batch_tokens`): filled in turn.
+  assert batching.length_batches(tokens(3, 4, 5, 6, 7, 20, 25), 32,
+                                 lambda src_len: 4 if src_len == 8 else 3) == [
+      (8, [0, 1, 2, 3]), (32, [4, 5, 6])]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_least_padding_cuts_match_a_brute_force_search(seed):
+  """`_least_padding_cuts` against every way of cutting sorted lengths into
+  the same number of runs of at most `capacity`: the least padding, and of
+  equally good cuts the latest."""
+  rng = np.random.default_rng(seed)
+  for _ in range(40):
+    n, capacity = int(rng.integers(2, 11)), int(rng.integers(1, 5))
+    lengths = sorted(int(x) for x in rng.choice([8, 16, 32, 64], n))
+    runs = -(-n // capacity)
+    best = None
+    for inner in itertools.combinations(range(1, n), runs - 1):
+      cuts = [0, *inner, n]
+      if all(0 < b - a <= capacity for a, b in zip(cuts, cuts[1:])):
+        key = (batching._padding(lengths, cuts), [-c for c in cuts])
+        best = key if best is None or key < best else best
+    got = batching._least_padding_cuts(lengths, capacity, runs)
+    assert (batching._padding(lengths, got), [-c for c in got]) == best, (lengths, capacity)
 
 
 def test_shared_buckets_keep_the_buckets_of_least_decoders_plus_padding():

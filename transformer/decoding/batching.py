@@ -91,31 +91,91 @@ def shared_buckets(encoded: Sequence[list[int]], max_length: int, rows_per_input
 
 def length_batches(encoded: Sequence[list[int]], max_length: int,
                    inputs_per_batch: Callable[[int], int],
-                   shared: dict[int, int] | None = None) -> list[tuple[int, list[int]]]:
+                   shared: dict[int, int] | None = None,
+                   least_padding: bool = True) -> list[tuple[int, list[int]]]:
   """The decoding batches: [(padded length, indices of its inputs)]. The
   non-empty inputs, shortest first, are taken in that order, as many to a
   batch as `inputs_per_batch(padded length)` allows, and a batch is padded
   to `bucket_length` of its longest, or to where `shared` (`shared_buckets`)
-  sends that bucket. So only the last batch has rows left
-  over, where batches of one length bucket each (a bucket's last batch part
-  empty) left 5-22% of the rows of 1,000 real sentences empty (at batch
-  size 32-128; docs/benchmarks.md)."""
+  sends that bucket. So batches hold inputs of consecutive lengths, and rows
+  are left over only where they save padding: batches of one length bucket
+  each (a bucket's last batch part empty) left 5-22% of the rows of 1,000
+  real sentences empty (at batch size 32-128; docs/benchmarks.md).
+
+  With `least_padding` and one batch size for every length (`--batch_size`),
+  the batches are as many as filling each in turn makes, but cut where they
+  pad the least (`_least_padding_cuts`) when that halves the padding: a
+  batch filled in turn may hold the last inputs of a bucket and the first
+  of a much longer one, all padded to the longer, when the rows left over
+  would let the short ones end a batch of their own (1,000 gettext lines
+  greedy at 128: 105 inputs padded from 16 to 64 tokens, decoded 7-12%
+  slower). Greedy search and sampling only (`Translator`): beam search's
+  batches decoded 3% slower cut so (their longest inputs, fewer to a batch,
+  no longer fit the sizes it shrinks to; docs/decoding.md)."""
   shared = shared or {}
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
-  batches: list[tuple[int, list[int]]] = []
-  members: list[int] = []
-  batch_length = 0  # of `members`: its last (longest) input's bucket
-  for i in todo:
-    length = bucket_length(len(encoded[i]), max_length)  # (the longest so far: sorted)
-    length = shared.get(length, length)
-    if members and len(members) >= inputs_per_batch(length):
-      batches.append((batch_length, members))
-      members = []
-    members.append(i)
-    batch_length = length
-  if members:
-    batches.append((batch_length, members))
-  return batches
+  lengths = [shared.get(length, length)
+             for length in (bucket_length(len(encoded[i]), max_length) for i in todo)]
+  cuts = [0]  # batch k holds todo[cuts[k]:cuts[k + 1]]
+  for n, length in enumerate(lengths):  # (the longest so far: sorted)
+    if n > cuts[-1] and n - cuts[-1] >= inputs_per_batch(length):
+      cuts.append(n)
+  if todo:
+    cuts.append(len(todo))
+  capacities = {inputs_per_batch(length) for length in set(lengths)}
+  if least_padding and len(capacities) == 1 and len(cuts) > 2:
+    least = _least_padding_cuts(lengths, capacities.pop(), len(cuts) - 1)
+    # Only where that at least halves the padding: the measure is crude (a
+    # batch's time also depends on how its longest inputs fill the sizes it
+    # shrinks to), and cuts that saved 3% of it decoded beam search 2-7%
+    # slower (docs/decoding.md).
+    if 2 * _padding(lengths, least) <= _padding(lengths, cuts):
+      cuts = least
+  return [(lengths[end - 1], todo[start:end]) for start, end in zip(cuts, cuts[1:])]
+
+
+def _padding(lengths: Sequence[int], cuts: Sequence[int]) -> int:
+  """sum (L_run^2 - L^2) over the inputs of `lengths` cut into runs at `cuts`,
+  L_run a run's last (longest) length."""
+  return sum((end - start) * lengths[end - 1] ** 2 - sum(x * x for x in lengths[start:end])
+             for start, end in zip(cuts, cuts[1:]))
+
+
+def _least_padding_cuts(lengths: Sequence[int], capacity: int, batches: int) -> list[int]:
+  """Where to cut `lengths` (padded lengths, shortest first) into `batches`
+  runs of at most `capacity` each so that padding each input to its run's
+  longest costs the least, sum (L_run^2 - L^2) (`shared_buckets`' measure);
+  [0, cut_1, ..., len(lengths)]. Of equally good cuts, the latest (full
+  batches first, as filling them in turn does). Dynamic programming over
+  the cut positions each batch boundary can take: at most `batches` x
+  capacity x capacity steps (numpy), since `batches` runs of `capacity`
+  leave fewer than `capacity` rows over."""
+  n = len(lengths)
+  squares = np.asarray(lengths, np.int64) ** 2
+  prefix = np.concatenate([[0], np.cumsum(squares)])  # prefix[i]: sum of the first i
+
+  def window(k):  # the positions cut k can take
+    return np.arange(max(k, n - (batches - k) * capacity), min(k * capacity, n) + 1)
+
+  # best[k][j]: least cost of the first window(k)[j] inputs in k batches.
+  positions, best, choice = [np.array([0])], [np.array([0], np.int64)], []
+  for k in range(1, batches + 1):
+    ends, starts = window(k), positions[-1]
+    size = ends[:, None] - starts[None, :]  # [ends, starts]
+    cost = (size * squares[ends - 1][:, None] - (prefix[ends][:, None] - prefix[starts][None, :]))
+    total = np.where((size >= 1) & (size <= capacity), best[-1][None, :] + cost,
+                     np.iinfo(np.int64).max)
+    # argmin of the reversed starts: among equal costs, the latest start
+    pick = total.shape[1] - 1 - np.argmin(total[:, ::-1], axis=1)
+    positions.append(ends)
+    best.append(total[np.arange(len(ends)), pick])
+    choice.append(pick)
+  cuts = [n]
+  j = int(np.flatnonzero(positions[-1] == n)[0])
+  for k in range(batches, 0, -1):
+    j = int(choice[k - 1][j])
+    cuts.append(int(positions[k - 1][j]))
+  return cuts[::-1]
 
 
 def first_search_length(src_len: int, out_len: int, min_len: int) -> int:

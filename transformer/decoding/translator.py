@@ -436,7 +436,8 @@ class Translator:
               if self.share_buckets else {})
     limits = {}  # input -> most tokens it generates: its own bucket's
     for src_len, members in batching.length_batches(encoded, self.config.max_len,
-                                                    inputs_per_batch, shared):
+                                                    inputs_per_batch, shared,
+                                                    least_padding=method != "beam"):
       rows = self._batch_rows(batch_size, copies, batch_tokens, src_len)
       out_len = self._output_length(src_len, max_len, extra_len)
       for i in members:
