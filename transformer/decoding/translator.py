@@ -430,9 +430,9 @@ class Translator:
     inputs_per_batch = lambda src_len: max(
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
     # Buckets too small to pay for a decoder of their own go to a longer one
-    # (greedy and sampling: each input still ends at its own bucket's length).
-    shared = (batching.shared_buckets(
-        encoded, self.config.max_len, rows_per_input=beam_size if method == "beam" else copies)
+    # (each input still searched to its own bucket's length: `limits`).
+    decoder_rows = beam_size if method == "beam" else copies  # (per input)
+    shared = (batching.shared_buckets(encoded, self.config.max_len, decoder_rows)
               if self.share_buckets else {})
     limits = {}  # input -> most tokens it generates: its own bucket's
     for src_len, members in batching.length_batches(encoded, self.config.max_len,
