@@ -863,49 +863,30 @@ def test_empty_rows_are_done_from_the_start_and_change_no_other_row(name):
   assert (skipped[0][empty] == 0).all() and (full[0][empty] != 0).any()
   assert (skipped[1][empty] == (-np.inf if name == "beam" else 0.0)).all()
 
-@pytest.mark.parametrize("name,shrink", [("greedy", False), ("greedy", True),
-                                         ("sample", False), ("sample", True)])
-def test_row_limits_end_each_row_where_a_search_of_that_length_ends_it(name, shrink):
-  """`row_limits`: row r's tokens and score are those of the search with
-  max_len = row_limits[r] (then PAD): what a row padded to a longer bucket's
-  decoder needs to translate as in its own (`batching.shared_buckets`)."""
-  strategy, table, kw = _shrink_case(name, 0)
-  limits = np.array([2, 40, 5, 12, 2, 40, 5, 12, 40, 2, 12, 5], np.int32)  # (12 rows)
-  limited = run(strategy, table, OFFSETS, row_limits=jnp.asarray(limits),
-                **(dict(shrink=SHRINK) if shrink else {}), **kw)
-  cut = 0
-  for limit in sorted(set(limits.tolist())):
-    alone = run(strategy, table, OFFSETS, **{**kw, "max_len": limit})
-    for r in np.flatnonzero(limits == limit):
-      want = np.zeros(kw["max_len"], np.int32)
-      want[:limit] = alone[0][r]
-      np.testing.assert_array_equal(limited[0][r], want)
-      np.testing.assert_allclose(limited[1][r], alone[1][r], rtol=1e-6)
-      cut += limit < kw["max_len"] and kw["eos_id"] not in alone[0][r]
-  assert cut >= 3  # (the premise: rows that the limit, not an EOS, ended)
-
-
+@pytest.mark.parametrize("name", ["greedy", "sample", "beam"])
 @pytest.mark.parametrize("shrink", [False, True])
-def test_beam_search_row_limits_search_each_input_to_its_own_length(shrink):
-  """`row_limits` in beam search: input b's hypotheses and scores are those
-  of the search with max_len = row_limits[b] (then PAD): below the batch's
-  max_len its hypotheses stop growing there and its alive ones are scored
-  at that length; what an input padded to a longer bucket's decoder, or
-  batched with longer inputs, needs to translate as in its own."""
-  strategy, table, kw = _shrink_case("beam", 0)
-  table[:, kw["eos_id"]] -= 2.0  # (EOS rarer: more searches that the limit ends)
+def test_row_limits_search_each_input_to_its_own_length(name, shrink):
+  """`row_limits`: input r's tokens and scores are those of the search with
+  max_len = row_limits[r] (then PAD): what an input padded to a longer
+  bucket's decoder (`batching.shared_buckets`), or batched with longer
+  inputs, needs to translate as in its own. (Beam search: its hypotheses
+  stop growing at its limit and its alive ones are scored at that length.)"""
+  strategy, table, kw = _shrink_case(name, 0)
+  if name == "beam":
+    table[:, kw["eos_id"]] -= 2.0  # (EOS rarer: more searches that the limit ends)
   limits = np.array([2, 40, 5, 12, 2, 40, 5, 12, 40, 2, 12, 5], np.int32)  # (12 inputs)
   limited = run(strategy, table, OFFSETS, row_limits=jnp.asarray(limits),
                 **(dict(shrink=SHRINK) if shrink else {}), **kw)
   cut = 0
   for limit in sorted(set(limits.tolist())):
     alone = run(strategy, table, OFFSETS, **{**kw, "max_len": limit})
-    for b in np.flatnonzero(limits == limit):
-      want = np.zeros((kw["beam_size"], kw["max_len"]), np.int32)
-      want[:, :limit] = alone[0][b]
-      np.testing.assert_array_equal(limited[0][b], want)
-      np.testing.assert_allclose(limited[1][b], alone[1][b], rtol=1e-6)
-      cut += limit < kw["max_len"] and kw["eos_id"] not in alone[0][b, 0]
+    for r in np.flatnonzero(limits == limit):
+      want = np.zeros(limited[0][r].shape, np.int32)  # ([max_len], beam: [beams, max_len])
+      want[..., :limit] = alone[0][r]
+      np.testing.assert_array_equal(limited[0][r], want)
+      np.testing.assert_allclose(limited[1][r], alone[1][r], rtol=1e-6)
+      best = np.atleast_2d(alone[0][r])[0]
+      cut += limit < kw["max_len"] and kw["eos_id"] not in best
   assert cut >= 3  # (the premise: inputs whose best the limit, not an EOS, ended)
 
 
