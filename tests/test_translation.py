@@ -75,7 +75,8 @@ def test_length_batches_by_tokens_close_a_batch_before_it_outgrows_them():
       (8, [0, 1, 2, 3]), (16, [4, 5, 6]), (32, [7])]
 
 
-def test_length_batches_cut_where_they_pad_the_least_when_that_halves_the_padding():
+def test_length_batches_cut_where_they_pad_the_least_when_that_halves_the_padding(
+    monkeypatch):
   """With one batch size, as many batches as filling each in turn makes, cut
   where padding each input to its batch's longest costs the least (sum of
   L_batch^2 - L^2), if that is at most half of what filling in turn pads."""
@@ -88,6 +89,10 @@ def test_length_batches_cut_where_they_pad_the_least_when_that_halves_the_paddin
       (8, [0, 1, 2]), (8, [3, 4]), (32, [5, 6])]
   assert batching.length_batches(encoded, 32, three, least_padding=False) == [
       (8, [0, 1, 2]), (32, [3, 4, 5]), (32, [6])]
+  monkeypatch.setattr(batching, "LEAST_PADDING_MAX_BATCH", 2)   # (batches too large for it)
+  assert batching.length_batches(encoded, 32, three) == [
+      (8, [0, 1, 2]), (32, [3, 4, 5]), (32, [6])]
+  monkeypatch.undo()
   # Buckets 8 x4, 32 x2, 64 x1, 5 a batch: in turn pads the four 8s to 32 and
   # a 32 to 64 (4 x 960 + 3,072 = 6,912); cut after the 8s, the two 32s to 64
   # (6,144): not half, so filled in turn.

@@ -37,6 +37,10 @@ FIRST_SEARCH_EXTRA = 16
 # source they read grow with L; greedy, the small-corpus model, 2 CPU cores:
 # docs/decoding.md). `shared_buckets` weighs the two.
 DECODER_COST = 2**20
+# `length_batches` cuts batches of at most this many inputs where they pad the
+# least (its dynamic programming holds batches x this^2 numbers); larger
+# ones are filled in turn.
+LEAST_PADDING_MAX_BATCH = 512
 
 
 def bucket_length(length: int, max_length: int) -> int:
@@ -102,16 +106,18 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   each (a bucket's last batch part empty) left 5-22% of the rows of 1,000
   real sentences empty (at batch size 32-128; docs/benchmarks.md).
 
-  With `least_padding` and one batch size for every length (`--batch_size`),
+  With `least_padding` and one batch size for every length (`--batch_size`,
+  at most LEAST_PADDING_MAX_BATCH),
   the batches are as many as filling each in turn makes, but cut where they
   pad the least (`_least_padding_cuts`) when that halves the padding: a
   batch filled in turn may hold the last inputs of a bucket and the first
   of a much longer one, all padded to the longer, when the rows left over
   would let the short ones end a batch of their own (1,000 gettext lines
   greedy at 128: 105 inputs padded from 16 to 64 tokens, decoded 7-12%
-  slower). Greedy search and sampling only (`Translator`): beam search's
-  batches decoded 3% slower cut so (their longest inputs, fewer to a batch,
-  no longer fit the sizes it shrinks to; docs/decoding.md)."""
+  slower). Greedy search and sampling only, on a CPU
+  (`Translator.cut_least_padding`): beam search's batches decoded 3% slower
+  cut so (their longest inputs, fewer to a batch, no longer fit the sizes
+  it shrinks to; docs/decoding.md)."""
   shared = shared or {}
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   lengths = [shared.get(length, length)
@@ -123,7 +129,8 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   if todo:
     cuts.append(len(todo))
   capacities = {inputs_per_batch(length) for length in set(lengths)}
-  if least_padding and len(capacities) == 1 and len(cuts) > 2:
+  if (least_padding and len(capacities) == 1 and len(cuts) > 2
+      and next(iter(capacities)) <= LEAST_PADDING_MAX_BATCH):
     least = _least_padding_cuts(lengths, capacities.pop(), len(cuts) - 1)
     # Only where that at least halves the padding: the measure is crude (a
     # batch's time also depends on how its longest inputs fill the sizes it
