@@ -5,9 +5,9 @@ inputs in batches shaped here:
   1. `length_batches`: the non-empty inputs, shortest first, cut into batches
      of `batch_size` inputs (or of `batch_tokens` source tokens), each padded
      to `bucket_length` of its longest (a power of two): few shapes to compile,
-     and only the last batch has empty rows. `shared_buckets` first sends the
-     inputs of a bucket too small to pay for a decoder of its own to the next
-     longer one.
+     rows left over only where they save padding (`_least_padding_cuts`).
+     `shared_buckets` first sends the inputs of a bucket too small to pay for
+     a decoder of its own to the next longer one.
   2. `first_search_length`: how many steps a batch decodes first (its cache
      that long); the inputs left unfinished are searched again in full.
   3. `pack_batch` / `unpack_hypotheses`: inputs into a batch's rows (one row

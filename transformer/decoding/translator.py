@@ -251,10 +251,11 @@ class Translator:
     scores (no log-sum-exp over the vocabulary per step). With `packed`, the
     encoder reads the inputs packed as `packing` (`source_packing.pack`'s
     tokens, segments, positions, where) says; otherwise `packing` is ().
-    `search_len` (0: max_len): the search these max_len steps begin (beam
-    search's exact bound looks that far); `done` says which rows are
-    finished (an EOS; beam: `search.beam_search`'s done), the others would
-    go on in a longer search (`batching.first_search_length`)."""
+    `search_len` (0: max_len): the search these max_len steps begin (read on
+    the host: the rows' limits are at most that, and what fills a batch gets
+    it); `done` says which rows are finished (an EOS or their limit; beam:
+    `search.beam_search`'s done), the others would go on in a longer search
+    (`batching.first_search_length`)."""
     cfg, model = self.config, self.model
 
     def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
@@ -283,8 +284,7 @@ class Translator:
         return decoding.beam_search(
             tokens_to_logits, state(beam_size), beam_size=beam_size,
             length_penalty=length_penalty, early_exit=early_exit, n_best=n_best or None,
-            stop=beam_stop, bound_len=max(search_len, max_len), row_limits=row_limits,
-            return_done=True,
+            stop=beam_stop, row_limits=row_limits, return_done=True,
             reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
             **common)
       if method == "greedy":

@@ -70,8 +70,9 @@ class Evaluator:
       # Whole searches: early in training most translations run to the end,
       # and a short first search would decode (and compile) each twice.
       self._translator.first_search = False
-      # Buckets of their own: a translation that runs to the end runs to its
-      # own bucket's max length, not to a longer bucket's, at every evaluation.
+      # Buckets of their own: its decoders are compiled once and kept for
+      # every evaluation, so sharing a longer bucket's would save nothing
+      # after the first and pad the short inputs at each.
       self._translator.share_buckets = False
     else:
       self._translator.set_params(params)
