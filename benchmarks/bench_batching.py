@@ -206,8 +206,11 @@ def variants(shrink_factors: list[int]) -> dict:
 
 
 def _set(form, chunk, longest_first, shrink_factor) -> None:
+  """The module settings a variant runs with; `shrink_factor` for every
+  decoder (the Translator's halves for beam decoders of many rows set aside)."""
   batching_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # (read when tracing)
   translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR = longest_first, shrink_factor
+  translator_lib.FINE_SHRINK_FACTOR = shrink_factor
 
 
 def compiled_instructions(translator) -> int:
@@ -238,6 +241,7 @@ def timing(translator, lines, method, batch, repeats, beam_stop="exact",
   instructions)} (part 2)."""
   defaults = (batching_lib.length_batches, loops.EARLY_EXIT_CHUNK,
               translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR)
+  fine_default = translator_lib.FINE_SHRINK_FACTOR
   options = _decode_options(method, batch, beam_stop)
   timed = variants(list(shrink_factors))
   translators, seconds, outputs, compiling = {}, {}, {}, {}
@@ -256,6 +260,7 @@ def timing(translator, lines, method, batch, repeats, beam_stop="exact",
         seconds[variant].append(time.perf_counter() - start)
   finally:
     _set(*defaults)
+    translator_lib.FINE_SHRINK_FACTOR = fine_default
   return {key: (statistics.median(s), outputs[key], *compiling[key])
           for key, s in seconds.items()}
 
@@ -276,15 +281,18 @@ def counted_input_steps(translator, lines, method, batch, beam_stop="exact",
     def counted(state):  # state.last_tokens: [inputs] (greedy) or [inputs, beams]
       jax.debug.callback(count, state.last_tokens.shape[0])
       return step_fn(state)
-    return original(counted, *args, **kwargs)
+    return original_loop(counted, *args, **kwargs)
 
-  original, factor = search._shrinking_loop, translator_lib.SHRINK_FACTOR
-  search._shrinking_loop, translator_lib.SHRINK_FACTOR = counting_loop, shrink_factor
+  original_loop = search._shrinking_loop
+  factors = translator_lib.SHRINK_FACTOR, translator_lib.FINE_SHRINK_FACTOR
+  search._shrinking_loop = counting_loop
+  translator_lib.SHRINK_FACTOR = translator_lib.FINE_SHRINK_FACTOR = shrink_factor
   try:
     hypotheses = _fresh_translator(translator).translate_hypotheses(
         lines, **_decode_options(method, batch, beam_stop))
   finally:
-    search._shrinking_loop, translator_lib.SHRINK_FACTOR = original, factor
+    search._shrinking_loop = original_loop
+    translator_lib.SHRINK_FACTOR, translator_lib.FINE_SHRINK_FACTOR = factors
   return sum(counts), sum(h[0].length for h in hypotheses if h)
 
 

@@ -245,6 +245,46 @@ def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   assert whole == shrunk
 
 
+def test_decoders_with_many_rows_to_decode_shrink_by_halves(run_example, monkeypatch):
+  """`Translator._shrink_factor`: a beam search decoder with at least
+  FINE_SHRINK_MIN_ROWS rows to decode in a call (its inputs times their
+  beams) shrinks by halves (32 -> 16 -> 8), one with fewer by quarters
+  (32 -> 8), and greedy search's whatever its rows; the rows are counted
+  over all the shares of the batches (every process makes the same
+  decoders); the translations are those of batches that never shrink."""
+  example = run_example(API_EXAMPLE)[0]["translator"]
+  translator = translation.Translator(example.config, example.params, example.tokenizer)
+  sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
+  monkeypatch.setattr(translation, "FINE_SHRINK_MIN_ROWS", 12)  # 12 inputs: 48 beam rows
+  factors = {}
+  for method in ("greedy", "beam"):
+    compiled = set(translator._executables)
+    shrunk = translator.translate(sentences, method=method, batch_size=32)
+    new = set(translator._executables) - compiled
+    factors[method] = {decoder_option(shape, "shrink_factor") for shape in new}
+    translator.shrink_batches = False  # (then one decoder, whatever the rows)
+    try:
+      assert translator.translate(sentences, method=method, batch_size=32) == shrunk, method
+    finally:
+      translator.shrink_batches = True
+    factors[method, "whole"] = {decoder_option(shape, "shrink_factor") for shape in
+                                set(translator._executables) - compiled - new}
+  assert factors == {"greedy": {4}, "beam": {2}, ("greedy", "whole"): {4},
+                     ("beam", "whole"): {4}}, factors
+  monkeypatch.setattr(translation, "FINE_SHRINK_MIN_ROWS", 49)
+  compiled = set(translator._executables)
+  translator.translate(sentences, method="beam", batch_size=32)  # (48 rows: by quarters)
+  new = set(translator._executables) - compiled
+  assert new and {decoder_option(shape, "shrink_factor") for shape in new} == {4}
+  assert translator._shrink(True, 2).sizes(32) == [32, 16, 8]
+  # A share of the batches of 4 (16 rows): its decoder counts all 12 inputs' 48.
+  monkeypatch.setattr(translation, "FINE_SHRINK_MIN_ROWS", 40)
+  compiled = set(translator._executables)
+  translator.translate_hypotheses(sentences, method="beam", batch_size=4, share=(1, 2))
+  new = set(translator._executables) - compiled
+  assert new and {decoder_option(shape, "shrink_factor") for shape in new} == {2}
+
+
 def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monkeypatch):
   """A batch decodes the first `first_search_length` steps of its search (a
   cache that long), and searches again in full, in a batch of their own

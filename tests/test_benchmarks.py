@@ -471,3 +471,38 @@ def test_decode_benchmark_runs_the_translators_decoder_for_every_step():
   for method, beams in (("greedy", 1), ("beam", 2)):
     row = bench_decode.bench("S", method, beams, repeats=1, sentences=2)
     assert row["sentences"] == 2 and row["seconds"] > 0 and row["floor_s"] > 0
+
+
+def test_ab_decode_commands_reads_sources_and_summarizes_by_hand(tmp_path):
+  """ab_decode_commands.py: a TSV's first column or a text file's lines, cut
+  to --lines; the table's medians, speeds against the first tree and equal
+  output lines, computed by hand."""
+  from benchmarks import ab_decode_commands as ab
+  tsv, text = tmp_path / "a.tsv", tmp_path / "a.txt"
+  tsv.write_text("one\tun\ntwo\tdeux\nthree\ttrois\n", encoding="utf-8")
+  text.write_text("one two\nthree\n", encoding="utf-8")
+  assert ab.source_lines(tsv, 2) == ["one", "two"]
+  assert ab.source_lines(text, 5) == ["one two", "three"]
+  rows = ab.summary(["old", "new"], {"old": [3.0, 5.0, 4.0], "new": [2.0, 2.5, 9.0]},
+                    {"old": ["a", "b", "c"], "new": ["a", "x", "c"]})
+  assert rows[2] == "| old | 4.00 | 1.000x | 3.00 5.00 4.00 | 3 |"
+  assert rows[3] == "| new | 2.50 | 1.600x | 2.00 2.50 9.00 | 2 |"
+  short = ab.summary(["old", "new"], {"old": [1.0], "new": [1.0]},
+                     {"old": ["a", "b"], "new": ["a"]})
+  assert short[3].endswith("| 1 (1 lines against 2) |")
+  with pytest.raises(SystemExit):
+    ab.main([f"--trees={tmp_path}", "--workdir=w", f"--input={text}"])  # (no decode.py)
+
+
+@pytest.mark.slow  # (~5 s: two decode.py processes of the fixture model)
+def test_ab_decode_commands_runs_decode_py_of_each_tree(tmp_path, capsys):
+  """The whole A/B on the fixture model: this checkout against itself, one
+  round: the same output lines, and a row per tree."""
+  from benchmarks import ab_decode_commands as ab
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  text = tmp_path / "in.txt"
+  text.write_text("a cat\nthe red car\n", encoding="utf-8")
+  assert ab.main([f"--trees={repo}", f"--workdir={repo}/tests/fixtures/workdir_d26a6fb",
+                  f"--input={text}", "--rounds=1", "--", "--method=greedy"]) == 0
+  out = capsys.readouterr().out
+  assert f"| {repo} | " in out and out.rstrip().endswith("| 2 |")

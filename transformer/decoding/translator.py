@@ -58,6 +58,13 @@ from transformer.runtime.errors import OptionError
 # unfinished inputs, down to 8 rows (`Translator._shrink`; measured in
 # docs/benchmarks.md: halving to 4 rows saved a little more for twice the compiling).
 SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
+# ... by halves instead (128 -> 64 -> 32 -> 16 -> 8) for a beam search decoder
+# with at least FINE_SHRINK_MIN_ROWS rows to decode in one call (its inputs
+# times their beams): 1.6x the program to load at each start (and to
+# compile), which that many rows pay back (`Translator._shrink_factor`;
+# docs/benchmarks.md "Wasted rows": 20,000 lines, beam 4, whole commands
+# 1.03-1.05x faster; greedy search's gain does not pay for its load even there).
+FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
                      # measuring, benchmarks/bench_batching.py)
@@ -138,7 +145,9 @@ class Translator:
   CPU 1.6-3x greedy and 1.2-2x beam throughput; on an H200 no gain for greedy
   and 1.1x for beam 4, for twice the compiling (one step per shrunk size:
   43.5 against 27.6 s greedy, 53.9 against 26.7 s beam for 1,000 lines at
-  batch 128; docs/decoding.md), so accelerators decode whole batches.
+  batch 128; docs/decoding.md), so accelerators decode whole batches. A
+  quarter of the rows at a time; by halves for a beam search decoder with
+  thousands of inputs to decode (`_shrink_factor`).
   """
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
@@ -228,7 +237,7 @@ class Translator:
                  beam_size: int, top_k: int, early_exit: bool = True,
                  temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
                  beam_stop: str = "exact", shrink: bool = True, log_probs: bool = True,
-                 packed: bool = False, search_len: int = 0):
+                 packed: bool = False, search_len: int = 0, shrink_factor: int | None = None):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
     row_copies [batch], row_limits [batch], length_penalty, temperature, top_p,
@@ -247,8 +256,10 @@ class Translator:
     input once its first `n_best` hypotheses are final (0: all beam_size), by
     the bound `beam_stop` names (`search.beam_search`'s `stop`). With early
     exit and `shrink` (`shrink_batches`), the batch drops finished inputs
-    (`_shrink`). Without `log_probs`, greedy search and sampling return zero
-    scores (no log-sum-exp over the vocabulary per step). With `packed`, the
+    (`_shrink`), going on with 1 / `shrink_factor` of its rows at a time
+    (None: SHRINK_FACTOR; `_shrink_factor`). Without `log_probs`, greedy
+    search and sampling return zero scores (no log-sum-exp over the
+    vocabulary per step). With `packed`, the
     encoder reads the inputs packed as `packing` (`source_packing.pack`'s
     tokens, segments, positions, where) says; otherwise `packing` is ().
     `search_len` (0: max_len): the search these max_len steps begin (read on
@@ -278,7 +289,7 @@ class Translator:
         return {"cache": init_cache(cfg, batch, max_len, beams), "memory": memory}
 
       common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
-                    min_len=min_len, shrink=self._shrink(early_exit and shrink),
+                    min_len=min_len, shrink=self._shrink(early_exit and shrink, shrink_factor),
                     empty_rows=jnp.all(inputs == cfg.pad_id, axis=1))  # (filling the batch)
       if method == "beam":
         return decoding.beam_search(
@@ -311,18 +322,30 @@ class Translator:
                                       replicated, replicated, replicated, data),
                    out_shardings=(data, data, data))
 
-  def _shrink(self, shrink: bool) -> decoding.Shrink | None:
-    """How a batch drops its finished inputs (`decoding.Shrink`): to a quarter
-    of its rows once they hold the unfinished, down to SHRINK_MIN_ROWS (a
-    multiple of the devices). None when not `shrink`: without early exit
-    (every step on every row, for benchmarks) or `shrink_batches` (off on
-    accelerators: class docstring)."""
+  def _shrink(self, shrink: bool, factor: int | None = None) -> decoding.Shrink | None:
+    """How a batch drops its finished inputs (`decoding.Shrink`): to 1 /
+    `factor` (None: SHRINK_FACTOR, a quarter) of its rows once they hold the
+    unfinished, down to SHRINK_MIN_ROWS (a multiple of the devices). None when
+    not `shrink`: without early exit (every step on every row, for
+    benchmarks) or `shrink_batches` (off on accelerators: class docstring)."""
     if not shrink:
       return None
     devices = len(self.mesh.devices.flat)
     return decoding.Shrink(
         lambda state, indices: kv_cache.select_inputs(state, indices, self.config.scan_layers),
-        factor=SHRINK_FACTOR, min_rows=max(SHRINK_MIN_ROWS, devices), multiple_of=devices)
+        factor=factor or SHRINK_FACTOR, min_rows=max(SHRINK_MIN_ROWS, devices),
+        multiple_of=devices)
+
+  def _shrink_factor(self, method: str, rows: int, early_exit: bool) -> int:
+    """The shrink factor of a decoder of `method` with `rows` rows to decode
+    in this call (its inputs times their beams or samples): for beam search
+    that shrinks, FINE_SHRINK_FACTOR from FINE_SHRINK_MIN_ROWS on (more
+    compiled sizes, fewer wasted row-steps); otherwise SHRINK_FACTOR (a
+    smaller program to load; and for a batch that never shrinks, one decoder
+    whatever its rows)."""
+    fine = (method == "beam" and early_exit and self.shrink_batches
+            and rows >= FINE_SHRINK_MIN_ROWS)
+    return FINE_SHRINK_FACTOR if fine else SHRINK_FACTOR
 
   def default_concurrent_batches(self) -> int:
     """Batches decoded at once when the caller does not say: on a CPU, one
@@ -456,7 +479,14 @@ class Translator:
                *((n_best, beam_stop) if method == "beam" else (0, "exact")),
                self.shrink_batches, log_probs, self.pack_sources, out_len)
       batches.append((shape, members))
-    batches = batches[share_index::share_count]
+    # Beam decoders with many rows to decode shrink by finer steps (counted
+    # over every share, so that all processes make the same decoders).
+    rows_per_decoder = {}
+    for shape, members in batches:
+      rows_per_decoder[shape] = rows_per_decoder.get(shape, 0) + len(members) * decoder_rows
+    batches = [(shape + (self._shrink_factor(method, rows_per_decoder[shape], early_exit),),
+                members)
+               for shape, members in batches][share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
     bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
                     dynamic_ncols=True)
@@ -577,7 +607,7 @@ class Translator:
     needed = batching.power_of_two_at_least(rows, SHRINK_MIN_ROWS)
     fields = dict(zip(_DECODER_ARGUMENTS, shape))
     fields.update(batch=min(fields["batch"], batching.round_up(needed, devices)),
-                  max_len=fields["search_len"])
+                  max_len=fields["search_len"], shrink_factor=SHRINK_FACTOR)
     return tuple(fields.values())
 
   def _prepare_batches(self, batches, batch_inputs) -> float:

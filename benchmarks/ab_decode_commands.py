@@ -1,0 +1,105 @@
+"""A/B of whole `decode.py` commands between checkouts: what a user waits for.
+
+    python benchmarks/ab_decode_commands.py --trees=<checkout before>,. \
+        --workdir=<model> --input=../shared/corpora/gettext-en-fr/train.tsv \
+        --lines=20000 --rounds=4 -- --batch_size=128 --method=beam
+
+Each tree's `decode.py` (its own `transformer/` package: Python puts the
+script's directory first on the path) translates the first `--lines` source
+lines of `--input` (a TSV's first column, or a text file) with the flags after
+`--`. One untimed run per tree first (a first run compiles its decoders), then
+`--rounds` rounds in which the trees take turns, so that each sees the same
+neighbours on a shared machine (separate processes of the same code differ by
+5-15% on a 2-core machine: only alternating runs compare). Prints each tree's
+median and all its seconds, its speed against the first tree's, and how many
+output lines equal the first tree's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def source_lines(path: Path, lines: int) -> list[str]:
+  """The first `lines` source sentences of a TSV (first column) or a text file."""
+  rows = path.read_text(encoding="utf-8").splitlines()[:lines]
+  return [row.split("\t", 1)[0] for row in rows]
+
+
+def decode_command(tree: str, workdir: str, flags: list[str]) -> list[str]:
+  """`decode.py` of `tree` on standard input, quiet (no progress bar)."""
+  return [sys.executable, str(Path(tree) / "decode.py"), f"--workdir={workdir}", "--quiet",
+          *flags]
+
+
+def run(command: list[str], input_path: str) -> tuple[float, list[str]]:
+  """(wall seconds, output lines) of one command reading `input_path`."""
+  with open(input_path, "rb") as stdin:
+    start = time.perf_counter()
+    done = subprocess.run(command, stdin=stdin, capture_output=True, check=False)
+    seconds = time.perf_counter() - start
+  if done.returncode:
+    raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n"
+                     f"{done.stderr.decode(errors='replace')[-2000:]}")
+  return seconds, done.stdout.decode("utf-8").splitlines()
+
+
+def summary(trees: list[str], seconds: dict[str, list[float]],
+            outputs: dict[str, list[str]]) -> list[str]:
+  """The table's rows: per tree, its median seconds, the first tree's median
+  over its own (> 1: faster), every round's seconds, and its output lines
+  equal to the first tree's."""
+  first = trees[0]
+  rows = ["| tree | median (s) | speed vs the first | seconds per round | lines as the first's |",
+          "|---|---|---|---|---|"]
+  for tree in trees:
+    median = statistics.median(seconds[tree])
+    same = sum(a == b for a, b in zip(outputs[tree], outputs[first]))
+    if len(outputs[tree]) != len(outputs[first]):
+      same = f"{same} ({len(outputs[tree])} lines against {len(outputs[first])})"
+    rows.append(f"| {tree} | {median:.2f} | {statistics.median(seconds[first]) / median:.3f}x "
+                f"| {' '.join(f'{s:.2f}' for s in seconds[tree])} | {same} |")
+  return rows
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  flags = argv[argv.index("--") + 1:] if "--" in argv else []
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--trees", required=True,
+                      help="comma-separated checkouts (roots holding decode.py); the first "
+                           "is the reference")
+  parser.add_argument("--workdir", required=True, help="the model, as decode.py's --workdir")
+  parser.add_argument("--input", required=True, help="a TSV (source<TAB>reference) or text")
+  parser.add_argument("--lines", type=int, default=1000)
+  parser.add_argument("--rounds", type=int, default=5)
+  args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+  trees = args.trees.split(",")
+  for tree in trees:
+    if not (Path(tree) / "decode.py").is_file():
+      parser.error(f"--trees: {tree} has no decode.py")
+  lines = source_lines(Path(args.input), args.lines)
+  with tempfile.TemporaryDirectory() as tmp:
+    input_path = os.path.join(tmp, "input.txt")
+    Path(input_path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    commands = {tree: decode_command(tree, args.workdir, flags) for tree in trees}
+    outputs = {tree: run(commands[tree], input_path)[1] for tree in trees}  # (compiles)
+    seconds = {tree: [] for tree in trees}
+    for _ in range(args.rounds):
+      for tree in trees:
+        seconds[tree].append(run(commands[tree], input_path)[0])
+  print(f"{len(lines)} lines of {args.input}, decode.py {' '.join(flags)}; "
+        f"{args.rounds} rounds, the trees taking turns\n")
+  print("\n".join(summary(trees, seconds, outputs)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
