@@ -6,7 +6,8 @@
 
 Each tree's `decode.py` (its own `transformer/` package: Python puts the
 script's directory first on the path) translates the first `--lines` source
-lines of `--input` (a TSV's first column, or a text file) with the flags after
+lines of `--input` (a TSV's first column, or a text file: the side-by-side
+benchmark's `read_input`) with the flags after
 `--`. One untimed run per tree first (a first run compiles its decoders), then
 `--rounds` rounds in which the trees take turns, so that each sees the same
 neighbours on a shared machine (separate processes of the same code differ by
@@ -26,11 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def source_lines(path: Path, lines: int) -> list[str]:
-  """The first `lines` source sentences of a TSV (first column) or a text file."""
-  rows = path.read_text(encoding="utf-8").splitlines()[:lines]
-  return [row.split("\t", 1)[0] for row in rows]
+from benchmarks.bench_vs_ctranslate2 import read_input  # noqa: E402
 
 
 def decode_command(tree: str, workdir: str, flags: list[str]) -> list[str]:
@@ -85,7 +84,7 @@ def main(argv=None) -> int:
   for tree in trees:
     if not (Path(tree) / "decode.py").is_file():
       parser.error(f"--trees: {tree} has no decode.py")
-  lines = source_lines(Path(args.input), args.lines)
+  lines, _ = read_input(Path(args.input), args.lines)
   with tempfile.TemporaryDirectory() as tmp:
     input_path = os.path.join(tmp, "input.txt")
     Path(input_path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")

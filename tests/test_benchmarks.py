@@ -481,8 +481,8 @@ def test_ab_decode_commands_reads_sources_and_summarizes_by_hand(tmp_path):
   tsv, text = tmp_path / "a.tsv", tmp_path / "a.txt"
   tsv.write_text("one\tun\ntwo\tdeux\nthree\ttrois\n", encoding="utf-8")
   text.write_text("one two\nthree\n", encoding="utf-8")
-  assert ab.source_lines(tsv, 2) == ["one", "two"]
-  assert ab.source_lines(text, 5) == ["one two", "three"]
+  assert ab.read_input(tsv, 2)[0] == ["one", "two"]
+  assert ab.read_input(text, 5)[0] == ["one two", "three"]
   rows = ab.summary(["old", "new"], {"old": [3.0, 5.0, 4.0], "new": [2.0, 2.5, 9.0]},
                     {"old": ["a", "b", "c"], "new": ["a", "x", "c"]})
   assert rows[2] == "| old | 4.00 | 1.000x | 3.00 5.00 4.00 | 3 |"
