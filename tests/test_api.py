@@ -285,6 +285,66 @@ def test_decoders_with_many_rows_to_decode_shrink_by_halves(run_example, monkeyp
   assert new and {decoder_option(shape, "shrink_factor") for shape in new} == {2}
 
 
+def test_decoders_with_few_rows_read_their_whole_cache(run_example, monkeypatch):
+  """`Translator._cache_prefix_parts`: a greedy or sampling decoder's first
+  search with at most WHOLE_CACHE_MAX_ROWS rows to decode in a call reads
+  its whole self-attention cache at every step (its compiled program holds
+  none of the prefix switch's conditionals that the others hold), one with
+  more rows, a whole search or beam search keeps kv_cache's default; rows
+  are counted over all the shares; the translations are the same either
+  way (greedy, 2 samples)."""
+  example = run_example(API_EXAMPLE)[0]["translator"]
+  translator = translation.Translator(example.config, example.params, example.tokenizer)
+  sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
+  runs = {"greedy": dict(method="greedy"), "sample": dict(method="sample", n_best=2, seed=3)}
+
+  def decode(limit, **options):
+    """-> (translations, {new first-search decoder's cache_prefix_parts: its
+    conditionals}); the decoders searching again in full keep the default."""
+    monkeypatch.setattr(translation, "WHOLE_CACHE_MAX_ROWS", limit)
+    compiled = set(translator._executables)
+    out = translator.translate_hypotheses(sentences, batch_size=32, **options)
+    new = set(translator._executables) - compiled
+    first = {shape for shape in new
+             if decoder_option(shape, "max_len") < decoder_option(shape, "search_len")}
+    assert len(first) == 1, options
+    assert all(decoder_option(shape, "cache_prefix_parts") is None for shape in new - first)
+    return [[h.text for h in hyps] if hyps else None for hyps in out], {
+        decoder_option(shape, "cache_prefix_parts"):
+        translator._executables[shape].as_text().count(" conditional(") for shape in first}
+
+  for name, options in runs.items():
+    rows = 12 * options.get("n_best", 1) if name == "sample" else 12
+    few, few_parts = decode(rows, **options)        # as many rows as the limit
+    many, many_parts = decode(rows - 1, **options)  # one more than the limit
+    assert few == many, name
+    assert list(few_parts) == [1] and list(many_parts) == [None], (name, few_parts, many_parts)
+    assert few_parts[1] < many_parts[None], (name, few_parts, many_parts)
+  assert set(decode(1000, method="beam")[1]) == {None}  # (its whole cache anyway)
+  # Off (as on accelerators): kv_cache's default however few the rows.
+  translator.whole_cache_for_few_rows = False
+  try:
+    assert translator._cache_prefix_parts("greedy", 1, True) is None
+  finally:
+    translator.whole_cache_for_few_rows = True
+  assert translator._cache_prefix_parts("greedy", 1, True) == 1
+  # A whole search (no first search) keeps the prefixes, whatever its rows.
+  translator.first_search = False
+  try:
+    compiled = set(translator._executables)
+    translator.translate(sentences, method="greedy", batch_size=32)
+    new = set(translator._executables) - compiled
+    assert new and {decoder_option(shape, "cache_prefix_parts") for shape in new} == {None}
+  finally:
+    translator.first_search = True
+  # A share (1 of 2) of the batches of 4 counts all 12 inputs, not its 6 (or 8).
+  monkeypatch.setattr(translation, "WHOLE_CACHE_MAX_ROWS", 11)
+  compiled = set(translator._executables)
+  translator.translate_hypotheses(sentences, method="greedy", batch_size=4, share=(1, 2))
+  new = set(translator._executables) - compiled
+  assert new and {decoder_option(shape, "cache_prefix_parts") for shape in new} == {None}
+
+
 def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monkeypatch):
   """A batch decodes the first `first_search_length` steps of its search (a
   cache that long), and searches again in full, in a batch of their own

@@ -65,6 +65,18 @@ SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 # docs/benchmarks.md "Wasted rows": 20,000 lines, beam 4, whole commands
 # 1.03-1.05x faster; greedy search's gain does not pay for its load even there).
 FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
+# A greedy or sampling decoder's first search with fewer rows than this to
+# decode in one call reads its whole self-attention cache at every step
+# (`kv_cache.prefix_parts(1)`) rather than the shortest written prefix of
+# kv_cache.CACHE_PREFIX_PARTS (one copy of the attention per layer instead
+# of four: 23% fewer instructions to load, compile and set up at the first
+# call; a first search's cache is sized to its translations, so the
+# prefixes save little there). Whole decode.py commands, greedy: 1,000
+# gettext lines 1.04-1.05x at batch 128, 1.01-1.03x at 32, 5,000 lines
+# 1.03x at 128; the decoding itself ~0.045 ms slower per row at 128 (0.013
+# at 32) against ~0.04 s saved per decoder (`Translator._cache_prefix_parts`;
+# docs/decoding.md).
+WHOLE_CACHE_MAX_ROWS = 1023
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
                      # measuring, benchmarks/bench_batching.py)
@@ -148,6 +160,11 @@ class Translator:
   batch 128; docs/decoding.md), so accelerators decode whole batches. A
   quarter of the rows at a time; by halves for a beam search decoder with
   thousands of inputs to decode (`_shrink_factor`).
+
+  `whole_cache_for_few_rows` (an attribute, default: True on CPU only): a
+  greedy or sampling decoder with at most WHOLE_CACHE_MAX_ROWS rows to
+  decode in its first search reads its whole self-attention cache at every
+  step, a smaller program (`_cache_prefix_parts`); measured on CPUs only.
   """
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
@@ -175,6 +192,7 @@ class Translator:
     self.first_search = True
     self.share_buckets = on_cpu
     self.cut_least_padding = on_cpu
+    self.whole_cache_for_few_rows = on_cpu
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
     self._decoders_loaded = 0  # of them, how many executable_cache loaded
@@ -237,7 +255,8 @@ class Translator:
                  beam_size: int, top_k: int, early_exit: bool = True,
                  temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
                  beam_stop: str = "exact", shrink: bool = True, log_probs: bool = True,
-                 packed: bool = False, search_len: int = 0, shrink_factor: int | None = None):
+                 packed: bool = False, search_len: int = 0, shrink_factor: int | None = None,
+                 cache_prefix_parts: int | None = None):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
     row_copies [batch], row_limits [batch], length_penalty, temperature, top_p,
@@ -257,7 +276,10 @@ class Translator:
     the bound `beam_stop` names (`search.beam_search`'s `stop`). With early
     exit and `shrink` (`shrink_batches`), the batch drops finished inputs
     (`_shrink`), going on with 1 / `shrink_factor` of its rows at a time
-    (None: SHRINK_FACTOR; `_shrink_factor`). Without `log_probs`, greedy
+    (None: SHRINK_FACTOR; `_shrink_factor`). Its steps read the
+    self-attention cache through `cache_prefix_parts` static prefixes (None:
+    kv_cache's default for the method; `_cache_prefix_parts`). Without
+    `log_probs`, greedy
     search and sampling return zero scores (no log-sum-exp over the
     vocabulary per step). With `packed`, the
     encoder reads the inputs packed as `packing` (`source_packing.pack`'s
@@ -269,8 +291,12 @@ class Translator:
     (`batching.first_search_length`)."""
     cfg, model = self.config, self.model
 
-    def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
-            length_penalty, temperature, top_p, min_len, packing):
+    def run(*args):
+      with kv_cache.prefix_parts(cache_prefix_parts):  # (read as the steps are traced)
+        return decode(*args)
+
+    def decode(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
+               length_penalty, temperature, top_p, min_len, packing):
       if packed:  # the encoder on the sentences packed several to a row
         encoded = source_packing.encode_packed(
             lambda tokens, segments, positions: model.apply(
@@ -346,6 +372,19 @@ class Translator:
     fine = (method == "beam" and early_exit and self.shrink_batches
             and rows >= FINE_SHRINK_MIN_ROWS)
     return FINE_SHRINK_FACTOR if fine else SHRINK_FACTOR
+
+  def _cache_prefix_parts(self, method: str, rows: int, first_search: bool) -> int | None:
+    """How many static prefixes of the self-attention cache a decoder's step
+    chooses from (`kv_cache.prefix_parts`), for a decoder of `method` with
+    `rows` rows to decode in this call, in a first search (its cache sized
+    to the translations: `batching.first_search_length`) or not: 1 (the
+    whole cache, one copy of the attention per layer) for greedy search and
+    sampling with few rows, whose load and first call it makes cheaper;
+    otherwise None, kv_cache's default (CACHE_PREFIX_PARTS; beam search
+    reads its whole cache anyway)."""
+    few = (self.whole_cache_for_few_rows and first_search and method != "beam"
+           and rows <= WHOLE_CACHE_MAX_ROWS)
+    return 1 if few else None
 
   def default_concurrent_batches(self) -> int:
     """Batches decoded at once when the caller does not say: on a CPU, one
@@ -479,13 +518,21 @@ class Translator:
                *((n_best, beam_stop) if method == "beam" else (0, "exact")),
                self.shrink_batches, log_probs, self.pack_sources, out_len)
       batches.append((shape, members))
-    # Beam decoders with many rows to decode shrink by finer steps (counted
-    # over every share, so that all processes make the same decoders).
+    # Per decoder, what its rows to decode pay for (counted over every share,
+    # so that all processes make the same decoders): beam decoders with many
+    # shrink by finer steps; greedy and sampling ones with few read their
+    # whole cache.
     rows_per_decoder = {}
     for shape, members in batches:
       rows_per_decoder[shape] = rows_per_decoder.get(shape, 0) + len(members) * decoder_rows
-    batches = [(shape + (self._shrink_factor(method, rows_per_decoder[shape], early_exit),),
-                members)
+
+    def by_rows(shape) -> tuple:
+      rows = rows_per_decoder[shape]
+      first_search = _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len")
+      return (self._shrink_factor(method, rows, early_exit),
+              self._cache_prefix_parts(method, rows, first_search))
+
+    batches = [(shape + by_rows(shape), members)
                for shape, members in batches][share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
     bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
@@ -607,7 +654,8 @@ class Translator:
     needed = batching.power_of_two_at_least(rows, SHRINK_MIN_ROWS)
     fields = dict(zip(_DECODER_ARGUMENTS, shape))
     fields.update(batch=min(fields["batch"], batching.round_up(needed, devices)),
-                  max_len=fields["search_len"], shrink_factor=SHRINK_FACTOR)
+                  max_len=fields["search_len"], shrink_factor=SHRINK_FACTOR,
+                  cache_prefix_parts=None)
     return tuple(fields.values())
 
   def _prepare_batches(self, batches, batch_inputs) -> float:

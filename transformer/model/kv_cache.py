@@ -27,10 +27,14 @@ when beam search keeps a hypothesis only the small `ancestry` table follows it
 beam j's history, so beam j attends to slot p at position t iff t has been
 written and ancestry[b, j, t] == p (`self_attention_mask`). A greedy or
 sampling step reads only a written prefix of the cache (`attend`,
-`_attend_cache_prefix`); a beam step all of it (BEAM_CACHE_PREFIX_PARTS).
+`_attend_cache_prefix`); a beam step all of it (BEAM_CACHE_PREFIX_PARTS), and
+so does any step traced under `prefix_parts(1)`.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +48,23 @@ CACHE_PREFIX_PARTS = 4  # static prefixes a step chooses from (1 = the whole cac
 # first decode.py of those lines 26.6 against 36.5 s); greedy's gains 11%
 # (2.28 against 2.57 s) for 1.4x (10.5 against 7.8 s). docs/decoding.md.
 BEAM_CACHE_PREFIX_PARTS = 1
+# What `prefix_parts` sets for the steps traced under it (None: the above).
+_PREFIX_PARTS = contextvars.ContextVar("cache_prefix_parts", default=None)
+
+
+@contextlib.contextmanager
+def prefix_parts(parts: int | None):
+  """Steps traced in this context read the self-attention cache through
+  `parts` static prefixes (1: the whole cache at every step), whatever the
+  module's defaults; None keeps them. A decoder chooses it for itself
+  (`Translator._cache_prefix_parts`: one program to load per layer instead
+  of `parts` where few rows would pay for them). A context variable, so
+  that decoders traced side by side in threads each see their own."""
+  token = _PREFIX_PARTS.set(parts)
+  try:
+    yield
+  finally:
+    _PREFIX_PARTS.reset(token)
 
 
 # ----------------------------------------------------------------------------
@@ -179,7 +200,8 @@ def attend(query: Array, key: Array, value: Array, mask: Array,
   if written is None:
     out = _attend_slots(query, key, value, mask)
   else:
-    parts = CACHE_PREFIX_PARTS if mask.shape[3] == 1 else BEAM_CACHE_PREFIX_PARTS
+    parts = _PREFIX_PARTS.get() or (
+        CACHE_PREFIX_PARTS if mask.shape[3] == 1 else BEAM_CACHE_PREFIX_PARTS)
     out = _attend_cache_prefix(query, key, value, mask, written, parts)
   return out.transpose(0, 2, 1, 3).reshape(flat, 1, heads, value.shape[-1])
 
