@@ -285,12 +285,13 @@ def test_decoders_with_many_rows_to_decode_shrink_by_halves(run_example, monkeyp
   assert new and {decoder_option(shape, "shrink_factor") for shape in new} == {2}
 
 
-def test_decoders_with_few_rows_read_their_whole_cache(run_example, monkeypatch):
-  """`Translator._cache_prefix_parts`: a greedy or sampling decoder's first
-  search with at most WHOLE_CACHE_MAX_ROWS rows to decode in a call reads
-  its whole self-attention cache at every step (its compiled program holds
-  none of the prefix switch's conditionals that the others hold), one with
-  more rows, a whole search or beam search keeps kv_cache's default; rows
+def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypatch):
+  """`Translator._small_decoder`: a greedy or sampling decoder's first search
+  with at most SMALL_DECODER_MAX_ROWS rows to decode in a call is built
+  small: its steps read the whole self-attention cache (its compiled program
+  holds none of the prefix switch's conditionals that the others hold) and
+  its batch shrinks once (128 -> 32, one step size fewer: fewer while
+  loops); one with more rows, a whole search or beam search is not; rows
   are counted over all the shares; the translations are the same either
   way (greedy, 2 samples)."""
   example = run_example(API_EXAMPLE)[0]["translator"]
@@ -299,50 +300,56 @@ def test_decoders_with_few_rows_read_their_whole_cache(run_example, monkeypatch)
   runs = {"greedy": dict(method="greedy"), "sample": dict(method="sample", n_best=2, seed=3)}
 
   def decode(limit, **options):
-    """-> (translations, {new first-search decoder's cache_prefix_parts: its
-    conditionals}); the decoders searching again in full keep the default."""
-    monkeypatch.setattr(translation, "WHOLE_CACHE_MAX_ROWS", limit)
+    """-> (translations, {new first-search decoder's `small`: its (conditionals,
+    while loops)}); the decoders searching again in full are never small."""
+    monkeypatch.setattr(translation, "SMALL_DECODER_MAX_ROWS", limit)
     compiled = set(translator._executables)
-    out = translator.translate_hypotheses(sentences, batch_size=32, **options)
+    out = translator.translate_hypotheses(sentences, batch_size=128, **options)
     new = set(translator._executables) - compiled
     first = {shape for shape in new
              if decoder_option(shape, "max_len") < decoder_option(shape, "search_len")}
     assert len(first) == 1, options
-    assert all(decoder_option(shape, "cache_prefix_parts") is None for shape in new - first)
-    return [[h.text for h in hyps] if hyps else None for hyps in out], {
-        decoder_option(shape, "cache_prefix_parts"):
-        translator._executables[shape].as_text().count(" conditional(") for shape in first}
+    assert not any(decoder_option(shape, "small") for shape in new - first)
+    program = lambda shape: translator._executables[shape].as_text()
+    return [[h.text for h in hyps] for hyps in out], {
+        decoder_option(shape, "small"): (program(shape).count(" conditional("),
+                                         program(shape).count(" while("))
+        for shape in first}
 
   for name, options in runs.items():
-    rows = 12 * options.get("n_best", 1) if name == "sample" else 12
-    few, few_parts = decode(rows, **options)        # as many rows as the limit
-    many, many_parts = decode(rows - 1, **options)  # one more than the limit
+    rows = 12 * options.get("n_best", 1)
+    few, small = decode(rows, **options)         # as many rows as the limit
+    many, not_small = decode(rows - 1, **options)  # one more than the limit
     assert few == many, name
-    assert list(few_parts) == [1] and list(many_parts) == [None], (name, few_parts, many_parts)
-    assert few_parts[1] < many_parts[None], (name, few_parts, many_parts)
-  assert set(decode(1000, method="beam")[1]) == {None}  # (its whole cache anyway)
-  # Off (as on accelerators): kv_cache's default however few the rows.
-  translator.whole_cache_for_few_rows = False
+    assert list(small) == [True] and list(not_small) == [False], (name, small, not_small)
+    (small_conditionals, small_loops), = small.values()
+    (conditionals, loops), = not_small.values()
+    assert small_conditionals < conditionals and small_loops < loops, (name, small, not_small)
+  assert translator._shrink(True, cuts=1).sizes(128) == [128, 32]
+  assert translator._shrink(True).sizes(128) == [128, 32, 8]
+  assert set(decode(1000, method="beam")[1]) == {False}  # (its whole cache anyway)
+  # Off (as on accelerators): never small.
+  translator.small_decoders_for_few_rows = False
   try:
-    assert translator._cache_prefix_parts("greedy", 1, True) is None
+    assert translator._small_decoder("greedy", 1, True) is False
   finally:
-    translator.whole_cache_for_few_rows = True
-  assert translator._cache_prefix_parts("greedy", 1, True) == 1
-  # A whole search (no first search) keeps the prefixes, whatever its rows.
+    translator.small_decoders_for_few_rows = True
+  assert translator._small_decoder("greedy", 1, True) is True
+  # A whole search (no first search) is not small, whatever its rows.
   translator.first_search = False
   try:
     compiled = set(translator._executables)
     translator.translate(sentences, method="greedy", batch_size=32)
     new = set(translator._executables) - compiled
-    assert new and {decoder_option(shape, "cache_prefix_parts") for shape in new} == {None}
+    assert new and not any(decoder_option(shape, "small") for shape in new)
   finally:
     translator.first_search = True
   # A share (1 of 2) of the batches of 4 counts all 12 inputs, not its 6 (or 8).
-  monkeypatch.setattr(translation, "WHOLE_CACHE_MAX_ROWS", 11)
+  monkeypatch.setattr(translation, "SMALL_DECODER_MAX_ROWS", 11)
   compiled = set(translator._executables)
   translator.translate_hypotheses(sentences, method="greedy", batch_size=4, share=(1, 2))
   new = set(translator._executables) - compiled
-  assert new and {decoder_option(shape, "cache_prefix_parts") for shape in new} == {None}
+  assert new and not any(decoder_option(shape, "small") for shape in new)
 
 
 def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monkeypatch):

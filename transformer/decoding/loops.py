@@ -89,7 +89,8 @@ class Shrink(NamedTuple):
   factor: the batch goes on with 1 / factor of its rows once that many hold
     all the unfinished inputs, again and again, ...
   min_rows: ... while that is a whole number of at least `min_rows` rows
-  multiple_of: ... and a multiple of this (the devices the batch is split over).
+  multiple_of: ... and a multiple of this (the devices the batch is split over),
+  at most `cuts` times (None: as often as that allows).
   Each size compiles the step once more: fewer, larger cuts trade a little
   of the saving for compile time.
   """
@@ -97,11 +98,13 @@ class Shrink(NamedTuple):
   factor: int = 4
   min_rows: int = 8
   multiple_of: int = 1
+  cuts: int | None = None
 
   def sizes(self, batch: int) -> list[int]:
     """The batch sizes a shrinking loop of `batch` inputs goes through."""
     sizes = [batch]
-    while (sizes[-1] % self.factor == 0 and sizes[-1] // self.factor >= self.min_rows
+    while ((self.cuts is None or len(sizes) <= self.cuts)
+           and sizes[-1] % self.factor == 0 and sizes[-1] // self.factor >= self.min_rows
            and (sizes[-1] // self.factor) % self.multiple_of == 0):
       sizes.append(sizes[-1] // self.factor)
     return sizes

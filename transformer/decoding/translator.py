@@ -65,18 +65,21 @@ SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 # docs/benchmarks.md "Wasted rows": 20,000 lines, beam 4, whole commands
 # 1.03-1.05x faster; greedy search's gain does not pay for its load even there).
 FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
-# A greedy or sampling decoder's first search with fewer rows than this to
-# decode in one call reads its whole self-attention cache at every step
-# (`kv_cache.prefix_parts(1)`) rather than the shortest written prefix of
-# kv_cache.CACHE_PREFIX_PARTS (one copy of the attention per layer instead
-# of four: 23% fewer instructions to load, compile and set up at the first
-# call; a first search's cache is sized to its translations, so the
-# prefixes save little there). Whole decode.py commands, greedy: 1,000
-# gettext lines 1.04-1.05x at batch 128, 1.01-1.03x at 32, 5,000 lines
-# 1.03x at 128; the decoding itself ~0.045 ms slower per row at 128 (0.013
-# at 32) against ~0.04 s saved per decoder (`Translator._cache_prefix_parts`;
-# docs/decoding.md).
-WHOLE_CACHE_MAX_ROWS = 1023
+# A greedy or sampling decoder's first search with at most this many rows
+# to decode in one call is built small (`Translator._small_decoder`): its
+# steps read the whole self-attention cache (`kv_cache.prefix_parts(1)`)
+# rather than the shortest written prefix of kv_cache.CACHE_PREFIX_PARTS
+# (one copy of the attention per layer instead of four; a first search's
+# cache is sized to its translations, so the prefixes save little there),
+# and its batch shrinks once (128 -> 32, not on to 8): less to load,
+# compile and set up at its first call, which so few rows do not decode
+# long enough to win back. Whole decode.py commands, greedy, 1,000 gettext
+# lines: the whole cache 1.04-1.05x at batch 128 (1.01-1.03x at 32), one
+# shrink another 1.03x at 128; 5,000 lines 1.03x at 128 (only its smaller
+# decoder small). The decoding itself is ~0.045 ms slower per row at 128
+# (0.013 at 32) with the whole cache and 4.7% slower on 5,000 lines with
+# one shrink, against ~0.04 s saved per decoder (docs/decoding.md).
+SMALL_DECODER_MAX_ROWS = 1023
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
                      # measuring, benchmarks/bench_batching.py)
@@ -161,10 +164,10 @@ class Translator:
   quarter of the rows at a time; by halves for a beam search decoder with
   thousands of inputs to decode (`_shrink_factor`).
 
-  `whole_cache_for_few_rows` (an attribute, default: True on CPU only): a
-  greedy or sampling decoder with at most WHOLE_CACHE_MAX_ROWS rows to
-  decode in its first search reads its whole self-attention cache at every
-  step, a smaller program (`_cache_prefix_parts`); measured on CPUs only.
+  `small_decoders_for_few_rows` (an attribute, default: True on CPU only):
+  a greedy or sampling decoder with at most SMALL_DECODER_MAX_ROWS rows to
+  decode in its first search is built small, to load faster
+  (`_small_decoder`); measured on CPUs only.
   """
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
@@ -192,7 +195,7 @@ class Translator:
     self.first_search = True
     self.share_buckets = on_cpu
     self.cut_least_padding = on_cpu
-    self.whole_cache_for_few_rows = on_cpu
+    self.small_decoders_for_few_rows = on_cpu
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
     self._decoders_loaded = 0  # of them, how many executable_cache loaded
@@ -256,7 +259,7 @@ class Translator:
                  temperature_on: bool = True, top_p_on: bool = True, n_best: int = 0,
                  beam_stop: str = "exact", shrink: bool = True, log_probs: bool = True,
                  packed: bool = False, search_len: int = 0, shrink_factor: int | None = None,
-                 cache_prefix_parts: int | None = None):
+                 small: bool = False):
     """The jitted decoder of one batch shape:
     (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
     row_copies [batch], row_limits [batch], length_penalty, temperature, top_p,
@@ -276,10 +279,9 @@ class Translator:
     the bound `beam_stop` names (`search.beam_search`'s `stop`). With early
     exit and `shrink` (`shrink_batches`), the batch drops finished inputs
     (`_shrink`), going on with 1 / `shrink_factor` of its rows at a time
-    (None: SHRINK_FACTOR; `_shrink_factor`). Its steps read the
-    self-attention cache through `cache_prefix_parts` static prefixes (None:
-    kv_cache's default for the method; `_cache_prefix_parts`). Without
-    `log_probs`, greedy
+    (None: SHRINK_FACTOR; `_shrink_factor`). A `small` decoder
+    (`_small_decoder`) shrinks once only and its steps read the whole
+    self-attention cache. Without `log_probs`, greedy
     search and sampling return zero scores (no log-sum-exp over the
     vocabulary per step). With `packed`, the
     encoder reads the inputs packed as `packing` (`source_packing.pack`'s
@@ -292,7 +294,7 @@ class Translator:
     cfg, model = self.config, self.model
 
     def run(*args):
-      with kv_cache.prefix_parts(cache_prefix_parts):  # (read as the steps are traced)
+      with kv_cache.prefix_parts(1 if small else None):  # (read as the steps are traced)
         return decode(*args)
 
     def decode(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
@@ -315,7 +317,8 @@ class Translator:
         return {"cache": init_cache(cfg, batch, max_len, beams), "memory": memory}
 
       common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
-                    min_len=min_len, shrink=self._shrink(early_exit and shrink, shrink_factor),
+                    min_len=min_len, shrink=self._shrink(early_exit and shrink, shrink_factor,
+                                              cuts=1 if small else None),
                     empty_rows=jnp.all(inputs == cfg.pad_id, axis=1))  # (filling the batch)
       if method == "beam":
         return decoding.beam_search(
@@ -348,10 +351,12 @@ class Translator:
                                       replicated, replicated, replicated, data),
                    out_shardings=(data, data, data))
 
-  def _shrink(self, shrink: bool, factor: int | None = None) -> decoding.Shrink | None:
+  def _shrink(self, shrink: bool, factor: int | None = None,
+              cuts: int | None = None) -> decoding.Shrink | None:
     """How a batch drops its finished inputs (`decoding.Shrink`): to 1 /
     `factor` (None: SHRINK_FACTOR, a quarter) of its rows once they hold the
-    unfinished, down to SHRINK_MIN_ROWS (a multiple of the devices). None when
+    unfinished, down to SHRINK_MIN_ROWS (a multiple of the devices), at most
+    `cuts` times (None: no limit). None when
     not `shrink`: without early exit (every step on every row, for
     benchmarks) or `shrink_batches` (off on accelerators: class docstring)."""
     if not shrink:
@@ -360,7 +365,7 @@ class Translator:
     return decoding.Shrink(
         lambda state, indices: kv_cache.select_inputs(state, indices, self.config.scan_layers),
         factor=factor or SHRINK_FACTOR, min_rows=max(SHRINK_MIN_ROWS, devices),
-        multiple_of=devices)
+        multiple_of=devices, cuts=cuts)
 
   def _shrink_factor(self, method: str, rows: int, early_exit: bool) -> int:
     """The shrink factor of a decoder of `method` with `rows` rows to decode
@@ -373,18 +378,17 @@ class Translator:
             and rows >= FINE_SHRINK_MIN_ROWS)
     return FINE_SHRINK_FACTOR if fine else SHRINK_FACTOR
 
-  def _cache_prefix_parts(self, method: str, rows: int, first_search: bool) -> int | None:
-    """How many static prefixes of the self-attention cache a decoder's step
-    chooses from (`kv_cache.prefix_parts`), for a decoder of `method` with
-    `rows` rows to decode in this call, in a first search (its cache sized
-    to the translations: `batching.first_search_length`) or not: 1 (the
-    whole cache, one copy of the attention per layer) for greedy search and
-    sampling with few rows, whose load and first call it makes cheaper;
-    otherwise None, kv_cache's default (CACHE_PREFIX_PARTS; beam search
-    reads its whole cache anyway)."""
-    few = (self.whole_cache_for_few_rows and first_search and method != "beam"
-           and rows <= WHOLE_CACHE_MAX_ROWS)
-    return 1 if few else None
+  def _small_decoder(self, method: str, rows: int, first_search: bool) -> bool:
+    """Whether a decoder of `method` with `rows` rows to decode in this call,
+    in a first search (its cache sized to the translations:
+    `batching.first_search_length`) or not, is built small (`_decode_fn`'s
+    `small`: the whole cache read at every step, one shrink): greedy search
+    and sampling with at most SMALL_DECODER_MAX_ROWS rows, whose load and
+    first call that makes cheaper than their decoding slower. Beam search
+    already reads its whole cache, and its few rows decode long enough to
+    pay for every shrink (one only: 4.5% slower on 1,000 lines at 128)."""
+    return bool(self.small_decoders_for_few_rows and first_search and method != "beam"
+                and rows <= SMALL_DECODER_MAX_ROWS)
 
   def default_concurrent_batches(self) -> int:
     """Batches decoded at once when the caller does not say: on a CPU, one
@@ -520,8 +524,7 @@ class Translator:
       batches.append((shape, members))
     # Per decoder, what its rows to decode pay for (counted over every share,
     # so that all processes make the same decoders): beam decoders with many
-    # shrink by finer steps; greedy and sampling ones with few read their
-    # whole cache.
+    # shrink by finer steps; greedy and sampling ones with few are built small.
     rows_per_decoder = {}
     for shape, members in batches:
       rows_per_decoder[shape] = rows_per_decoder.get(shape, 0) + len(members) * decoder_rows
@@ -530,7 +533,7 @@ class Translator:
       rows = rows_per_decoder[shape]
       first_search = _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len")
       return (self._shrink_factor(method, rows, early_exit),
-              self._cache_prefix_parts(method, rows, first_search))
+              self._small_decoder(method, rows, first_search))
 
     batches = [(shape + by_rows(shape), members)
                for shape, members in batches][share_index::share_count]
@@ -654,8 +657,7 @@ class Translator:
     needed = batching.power_of_two_at_least(rows, SHRINK_MIN_ROWS)
     fields = dict(zip(_DECODER_ARGUMENTS, shape))
     fields.update(batch=min(fields["batch"], batching.round_up(needed, devices)),
-                  max_len=fields["search_len"], shrink_factor=SHRINK_FACTOR,
-                  cache_prefix_parts=None)
+                  max_len=fields["search_len"], shrink_factor=SHRINK_FACTOR, small=False)
     return tuple(fields.values())
 
   def _prepare_batches(self, batches, batch_inputs) -> float:
