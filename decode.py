@@ -274,6 +274,11 @@ def run() -> None:
 
   translator, described = load_translator(workdir, which)
   _KEPT_UNTIL_EXIT.append(translator)
+  # One command, one file: its decoders are loaded for it alone, so on a CPU
+  # those with few rows to decode are built small (less to load, a little
+  # slower per row: Translator.small_decoders_for_few_rows).
+  translator.small_decoders_for_few_rows = (
+      translator.mesh.devices.flat[0].platform == "cpu")
   if not gc.isenabled():  # (turned off at start-up, above)
     gc.freeze()  # what exists now lives to the end: never walked again
     gc.enable()

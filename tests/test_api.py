@@ -296,6 +296,8 @@ def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypat
   way (greedy, 2 samples)."""
   example = run_example(API_EXAMPLE)[0]["translator"]
   translator = translation.Translator(example.config, example.params, example.tokenizer)
+  assert translator.small_decoders_for_few_rows is False  # (the API's default; decode.py's
+  translator.small_decoders_for_few_rows = True           # on a CPU: test_decode_cli.py)
   sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
   runs = {"greedy": dict(method="greedy"), "sample": dict(method="sample", n_best=2, seed=3)}
 
@@ -328,7 +330,7 @@ def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypat
   assert translator._shrink(True, cuts=1).sizes(128) == [128, 32]
   assert translator._shrink(True).sizes(128) == [128, 32, 8]
   assert set(decode(1000, method="beam")[1]) == {False}  # (its whole cache anyway)
-  # Off (as on accelerators): never small.
+  # Off (the API's default, and on accelerators): never small.
   translator.small_decoders_for_few_rows = False
   try:
     assert translator._small_decoder("greedy", 1, True) is False

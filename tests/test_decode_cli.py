@@ -374,6 +374,43 @@ def test_second_decode_compiles_nothing(workdir, env, tmp_path):
   assert not off_cache.exists()
 
 
+_SMALL_PROBE = """
+import json, os, runpy, sys
+from transformer.decoding import translator as translation
+made = []
+init = translation.Translator.__init__
+def recording_init(self, *args, **kwargs):
+  init(self, *args, **kwargs)
+  made.append(self)
+translation.Translator.__init__ = recording_init
+real_exit = os._exit
+def report_then_exit(code):
+  print(json.dumps([[translation._decoder_option(shape, name) for name in ("max_len", "search_len",
+                     "small")] for t in made for shape in t._executables]), file=sys.stderr,
+        flush=True)
+  real_exit(code)
+os._exit = report_then_exit
+sys.argv = [sys.argv[1], *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_decoders_with_few_rows_are_built_small_by_the_command(workdir, env):
+  """decode.py, which loads its decoders for one file, turns the Translator's
+  `small_decoders_for_few_rows` on (on a CPU: these tests' platform), so
+  the first search of its few lines is a small decoder (the API's default
+  is off: test_api.py); a search again in full is never small."""
+  result = subprocess.run(
+      [sys.executable, "-c", _SMALL_PROBE, DECODE, f"--workdir={workdir}", "--method=greedy",
+       "--quiet"], input=_text(LINES).encode(), cwd=ROOT, env=env,
+      capture_output=True, timeout=600)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  decoders = json.loads(result.stderr.decode().strip().splitlines()[-1])
+  first = [small for max_len, search_len, small in decoders if max_len < search_len]
+  again = [small for max_len, search_len, small in decoders if max_len == search_len]
+  assert first and all(first) and not any(again), decoders
+
+
 _GC_PROBE = """
 import gc, json, os, runpy, sys
 states = {}

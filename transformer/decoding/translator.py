@@ -65,8 +65,9 @@ SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 # docs/benchmarks.md "Wasted rows": 20,000 lines, beam 4, whole commands
 # 1.03-1.05x faster; greedy search's gain does not pay for its load even there).
 FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
-# A greedy or sampling decoder's first search with at most this many rows
-# to decode in one call is built small (`Translator._small_decoder`): its
+# In decode.py (`Translator.small_decoders_for_few_rows`), a greedy or
+# sampling decoder's first search with at most this many rows to decode in
+# one call is built small (`Translator._small_decoder`): its
 # steps read the whole self-attention cache (`kv_cache.prefix_parts(1)`)
 # rather than the shortest written prefix of kv_cache.CACHE_PREFIX_PARTS
 # (one copy of the attention per layer instead of four; a first search's
@@ -77,8 +78,9 @@ FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
 # lines: the whole cache 1.04-1.05x at batch 128 (1.01-1.03x at 32), one
 # shrink another 1.03x at 128; 5,000 lines 1.03x at 128 (only its smaller
 # decoder small). The decoding itself is ~0.045 ms slower per row at 128
-# (0.013 at 32) with the whole cache and 4.7% slower on 5,000 lines with
-# one shrink, against ~0.04 s saved per decoder (docs/decoding.md).
+# (0.013 at 32) with the whole cache, and whole commands on 5,000 lines
+# 4.7% slower with one shrink everywhere, against ~0.04 s saved per decoder
+# (docs/decoding.md).
 SMALL_DECODER_MAX_ROWS = 1023
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
@@ -164,10 +166,12 @@ class Translator:
   quarter of the rows at a time; by halves for a beam search decoder with
   thousands of inputs to decode (`_shrink_factor`).
 
-  `small_decoders_for_few_rows` (an attribute, default: True on CPU only):
-  a greedy or sampling decoder with at most SMALL_DECODER_MAX_ROWS rows to
-  decode in its first search is built small, to load faster
-  (`_small_decoder`); measured on CPUs only.
+  `small_decoders_for_few_rows` (an attribute, default: False; decode.py
+  sets it on a CPU): a greedy or sampling decoder with at most
+  SMALL_DECODER_MAX_ROWS rows to decode in its first search is built small,
+  to load faster and decode a little slower (`_small_decoder`): right for a
+  command that loads its decoders for one file, not for a Translator that
+  keeps them for call after call. Measured on CPUs only.
   """
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
@@ -195,7 +199,7 @@ class Translator:
     self.first_search = True
     self.share_buckets = on_cpu
     self.cut_least_padding = on_cpu
-    self.small_decoders_for_few_rows = on_cpu
+    self.small_decoders_for_few_rows = False  # (decode.py: True on a CPU)
     self._compiled = {}  # the cross-attention function, jitted once
     self._executables = {}  # decoders compiled for one batch shape
     self._decoders_loaded = 0  # of them, how many executable_cache loaded
