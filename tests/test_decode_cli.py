@@ -397,9 +397,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def test_decoders_with_few_rows_are_built_small_by_the_command(workdir, env):
   """decode.py, which loads its decoders for one file, turns the Translator's
-  `small_decoders_for_few_rows` on (on a CPU: these tests' platform), so
-  the first search of its few lines is a small decoder (the API's default
-  is off: test_api.py); a search again in full is never small."""
+  `small_decoders_for_few_rows` on on a CPU, so the first search of its few
+  lines is a small decoder there (the API's default is off: test_api.py);
+  a search again in full is never small."""
+  import jax
+  on_cpu = jax.devices()[0].platform == "cpu"
   result = subprocess.run(
       [sys.executable, "-c", _SMALL_PROBE, DECODE, f"--workdir={workdir}", "--method=greedy",
        "--quiet"], input=_text(LINES).encode(), cwd=ROOT, env=env,
@@ -408,7 +410,7 @@ def test_decoders_with_few_rows_are_built_small_by_the_command(workdir, env):
   decoders = json.loads(result.stderr.decode().strip().splitlines()[-1])
   first = [small for max_len, search_len, small in decoders if max_len < search_len]
   again = [small for max_len, search_len, small in decoders if max_len == search_len]
-  assert first and all(first) and not any(again), decoders
+  assert first and all(small is on_cpu for small in first) and not any(again), decoders
 
 
 _GC_PROBE = """
