@@ -67,20 +67,12 @@ SHRINK_FACTOR, SHRINK_MIN_ROWS = 4, 8
 FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
 # In decode.py (`Translator.small_decoders_for_few_rows`), a greedy or
 # sampling decoder's first search with at most this many rows to decode in
-# one call is built small (`Translator._small_decoder`): its
-# steps read the whole self-attention cache (`kv_cache.prefix_parts(1)`)
-# rather than the shortest written prefix of kv_cache.CACHE_PREFIX_PARTS
-# (one copy of the attention per layer instead of four; a first search's
-# cache is sized to its translations, so the prefixes save little there),
-# and its batch shrinks once (128 -> 32, not on to 8): less to load,
-# compile and set up at its first call, which so few rows do not decode
-# long enough to win back. Whole decode.py commands, greedy, 1,000 gettext
-# lines: the whole cache 1.04-1.05x at batch 128 (1.01-1.03x at 32), one
-# shrink another 1.03x at 128; 5,000 lines 1.03x at 128 (only its smaller
-# decoder small). The decoding itself is ~0.045 ms slower per row at 128
-# (0.013 at 32) with the whole cache, and whole commands on 5,000 lines
-# 4.7% slower with one shrink everywhere, against ~0.04 s saved per decoder
-# (docs/decoding.md).
+# one call is built small (`Translator._small_decoder`): its steps read the
+# whole self-attention cache (`kv_cache.prefix_parts(1)`: one copy of the
+# attention per layer instead of four) and its batch shrinks once (128 ->
+# 32): less to load and set up, which so few rows do not decode long enough
+# to win back. Whole greedy commands 1.04-1.05x on 1,000 gettext lines,
+# 1.035x on 5,000; break-even near 900 rows at batch 128 (docs/decoding.md).
 SMALL_DECODER_MAX_ROWS = 1023
 MAX_CONCURRENT_BATCHES = 8  # (`Translator.default_concurrent_batches`)
 LONGEST_FIRST = True  # decode the longest batches first (`translate_hypotheses`; False: for
@@ -297,12 +289,8 @@ class Translator:
     (`batching.first_search_length`)."""
     cfg, model = self.config, self.model
 
-    def run(*args):
-      with kv_cache.prefix_parts(1 if small else None):  # (read as the steps are traced)
-        return decode(*args)
-
-    def decode(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
-               length_penalty, temperature, top_p, min_len, packing):
+    def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
+            length_penalty, temperature, top_p, min_len, packing):
       if packed:  # the encoder on the sentences packed several to a row
         encoded = source_packing.encode_packed(
             lambda tokens, segments, positions: model.apply(
@@ -313,8 +301,9 @@ class Translator:
                            method="encoder_memory")
 
       def tokens_to_logits(token_ids, state):
-        logits, cache = model.apply({"params": params}, token_ids, state["cache"],
-                                    state["memory"], method="decode_step")
+        with kv_cache.prefix_parts(1 if small else None):  # (read as the step is traced)
+          logits, cache = model.apply({"params": params}, token_ids, state["cache"],
+                                      state["memory"], method="decode_step")
         return logits, dict(state, cache=cache)
 
       def state(beams=1):  # what the search carries: the cache and the encoder memory
@@ -532,14 +521,12 @@ class Translator:
     rows_per_decoder = {}
     for shape, members in batches:
       rows_per_decoder[shape] = rows_per_decoder.get(shape, 0) + len(members) * decoder_rows
-
-    def by_rows(shape) -> tuple:
-      rows = rows_per_decoder[shape]
-      first_search = _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len")
-      return (self._shrink_factor(method, rows, early_exit),
-              self._small_decoder(method, rows, first_search))
-
-    batches = [(shape + by_rows(shape), members)
+    first_search = lambda shape: (  # (its cache sized to the translations)
+        _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len"))
+    built = {shape: (self._shrink_factor(method, rows, early_exit),
+                     self._small_decoder(method, rows, first_search(shape)))
+             for shape, rows in rows_per_decoder.items()}
+    batches = [(shape + built[shape], members)
                for shape, members in batches][share_index::share_count]
     decoded = sum(len(members) for _, members in batches)
     bar = tqdm.tqdm(total=decoded, unit="sent", disable=not progress, desc="decode",
