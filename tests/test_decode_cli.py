@@ -418,7 +418,9 @@ import gc, json, os, runpy, sys
 states = {}
 real_exit = os._exit
 def report_then_exit(code):
-  states.update(at_exit=gc.isenabled(), frozen=gc.get_freeze_count())
+  import jax
+  states.update(at_exit=gc.isenabled(), frozen=gc.get_freeze_count(),
+                async_dispatch=jax.config.read("jax_cpu_enable_async_dispatch"))
   print(json.dumps(states), file=sys.stderr, flush=True)
   real_exit(code)
 os._exit = report_then_exit
@@ -444,3 +446,32 @@ def test_garbage_collection_off_while_the_command_starts_then_frozen_and_back_on
       [sys.executable, "-c", "import gc, decode; print(gc.isenabled(), gc.get_freeze_count())"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert imported.stdout.split() == ["True", "0"], imported.stderr[-2000:]
+
+
+def test_large_batches_run_computations_on_the_threads_that_call_them(workdir, env):
+  """decode.py on a CPU (glibc) with batches of CALLING_THREAD_MIN_ROWS rows
+  or more turns JAX's asynchronous dispatch off, so that the main thread,
+  which decodes a lane of batches, allocates their temporaries from its heap
+  (host_memory.py); smaller batches keep it, and so does decode.py imported
+  as a module."""
+  import decode
+  from transformer.runtime import host_memory
+  assert decode.CALLING_THREAD_MIN_ROWS == 512
+
+  def async_dispatch(*flags) -> bool:
+    result = subprocess.run(
+        [sys.executable, "-c", _GC_PROBE, DECODE, f"--workdir={workdir}", "--max_len=24",
+         "--quiet", *flags], input=_text(LINES).encode(), cwd=ROOT, env=env,
+        capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    return json.loads(result.stderr.decode().strip().splitlines()[-1])["async_dispatch"]
+  assert async_dispatch("--beam_size=4", "--batch_size=128") is not host_memory._applies()
+  assert async_dispatch("--beam_size=4", "--batch_size=127")
+  assert async_dispatch("--method=sample", "--n_best=2", "--batch_size=256") is not (
+      host_memory._applies())
+  assert async_dispatch("--method=greedy", "--batch_size=511")
+  imported = subprocess.run(
+      [sys.executable, "-c",
+       "import decode, jax; print(jax.config.read('jax_cpu_enable_async_dispatch'))"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert imported.stdout.split() == ["True"], imported.stderr[-2000:]

@@ -115,7 +115,8 @@ def test_batches_decoded_side_by_side_translate_as_one_at_a_time(fixture_transla
   """`concurrent_batches`: threads take the batches in turn and decode them
   side by side. Every method gives what one batch at a time gives (texts,
   scores, order, blank lines), and the batches really went through several
-  threads."""
+  threads, the calling thread one of them (`Translator._decode_in_lanes`:
+  decode.py's main thread then keeps its batches' temporaries)."""
   import jax
   translator = fixture_translator
   pairs = demo_task.demo_splits(3, num_train=200, num_eval=1, num_test=1)["train"]
@@ -138,6 +139,7 @@ def test_batches_decoded_side_by_side_translate_as_one_at_a_time(fixture_transla
       three = translator.translate_hypotheses(sentences, batch_size=8, concurrent_batches=3,
                                               **options)
       assert batches >= 6 and len(threads) == batches and len(set(threads)) > 1, options
+      assert threading.current_thread().name in threads, (threads, options)
       assert len(three) == len(sentences) and three[45] == one[45]
       assert [[h.text for h in hyps] for hyps in three] == [[h.text for h in hyps]
                                                             for hyps in one], options

@@ -23,17 +23,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # argv[1]: "on" applies keep_freed_memory() (one heap), "per_thread" applies
 # keep_freed_memory(one_heap=False) and makes the calls from a thread of
 # their own (as decode.py's lanes do: that thread allocates from a heap of
-# its own), "off" leaves glibc's defaults.
+# its own), "off" leaves glibc's defaults; "main_thread" applies
+# keep_freed_memory(one_heap=False) and calls from the main thread, and
+# "calling_thread" the same with run_computations_on_calling_threads() too
+# (decode.py). argv[2]: the buffer's rows (3072: 48 MB).
 _PROBE = """
 import resource, sys, threading, time
 from transformer.runtime import host_memory
-mode = sys.argv[1]
+mode, rows = sys.argv[1], int(sys.argv[2])
 applied = host_memory.keep_freed_memory(one_heap=mode == "on") if mode != "off" else False
+if mode == "calling_thread":
+  applied = applied and host_memory.run_computations_on_calling_threads()
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: jnp.sum((x * 2.0).T @ w))
 faults = []
 def calls():
-  x, w = jnp.ones((3072, 4096), jnp.float32), jnp.ones((3072, 64), jnp.float32)
+  x, w = jnp.ones((rows, 4096), jnp.float32), jnp.ones((rows, 64), jnp.float32)
   for call in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     jax.block_until_ready(f(x, w))
@@ -49,10 +54,10 @@ print(applied, *faults[12:])
 """
 
 
-def _faults(mode: str) -> tuple[bool, list[int]]:
+def _faults(mode: str, rows: int = 3072) -> tuple[bool, list[int]]:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=env, cwd=ROOT,
+  out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(rows)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=True)
   applied, *faults = out.stdout.split("\n")[-2].split()
   return applied == "True", [int(n) for n in faults]
@@ -72,6 +77,32 @@ def test_keep_freed_memory_stops_per_call_page_faults():
   applied, faults_per_thread = _faults("per_thread")
   assert applied
   assert sum(faults_per_thread) <= sum(faults_off) // 2, (faults_per_thread, faults_off)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_computations_on_the_calling_main_thread_keep_blocks_over_64_mb():
+  """A 96 MB buffer, above what a thread's own heap holds: with JAX's
+  asynchronous dispatch (XLA's worker threads allocate it) every call faults
+  it in afresh even called from the main thread; run on the calling main
+  thread (decode.py's settings), it comes from the main heap and stays."""
+  pages = 96 * 1024 * 1024 // 4096
+  applied, faults_async = _faults("main_thread", rows=6144)
+  assert applied
+  assert all(n >= pages * 9 // 10 for n in faults_async), faults_async  # the premise
+  applied, faults_calling = _faults("calling_thread", rows=6144)
+  assert applied
+  assert sum(faults_calling) <= sum(faults_async) // 4, (faults_calling, faults_async)
+
+
+def test_run_computations_on_calling_threads_follows_keep_freed_memory(monkeypatch):
+  """The same conditions: not on a GPU/TPU job, nor when turned off."""
+  import jax
+  monkeypatch.setattr(jax.config, "update", lambda *args: pytest.fail("must not apply"))
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  assert host_memory.run_computations_on_calling_threads() is False
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("TRANSFORMER_KEEP_FREED_MEMORY", "0")
+  assert host_memory.run_computations_on_calling_threads() is False
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")

@@ -664,9 +664,17 @@ class Translator:
   def _decode_in_lanes(self, batches, batch_inputs, finish, lanes: int
                        ) -> list[tuple[int, float]]:
     """Decodes `batches` [(shape, members)] in order, in up to `lanes`
-    threads side by side; `finish((shape, members), *outputs)` reads a batch
-    back and returns its tokens generated. Per lane: (tokens generated, host
-    seconds)."""
+    lanes side by side: the calling thread is one, each other lane a thread
+    of its own; `finish((shape, members), *outputs)` reads a batch back and
+    returns its tokens generated. Per lane: (tokens generated, host seconds).
+
+    Why the calling thread decodes too: where JAX runs a computation on the
+    thread that calls it (decode.py's large batches on a CPU:
+    `host_memory.run_computations_on_calling_threads`), the batch's
+    temporaries come from that thread's heap, and the main thread's (glibc's
+    main heap) keeps freed blocks of any size for the next batch, where a
+    thread's own keeps none over 64 MB (beam 4 at batch 128: 397k -> 184k
+    page faults per later call on 1,000 gettext lines; docs/decoding.md)."""
     queue = iter(batches)
     take = threading.Lock()  # (lanes take the next batch in turn)
     failed = threading.Event()  # (one lane's error stops the others)
@@ -674,7 +682,8 @@ class Translator:
     def lane() -> tuple[int, float]:
       """Decodes batches from `queue` until it is empty. The device works on
       batch k while the host packs batch k + 1 and detokenizes batch k - 1
-      (JAX dispatches asynchronously)."""
+      (where JAX dispatches asynchronously; where it does not, the other
+      lanes keep the cores busy meanwhile)."""
       generated, host_seconds, pending = 0, 0.0, None
       while not failed.is_set():
         with take:
@@ -701,15 +710,16 @@ class Translator:
     if lanes == 1:
       return [lane()]
 
-    def guarded_lane():  # each lane a thread: their batches run side by side
+    def guarded_lane():  # (the lanes' batches run side by side)
       try:
         return lane()
       except BaseException:
         failed.set()
         raise
-    with concurrent.futures.ThreadPoolExecutor(lanes, thread_name_prefix="decode") as pool:
-      futures = [pool.submit(guarded_lane) for _ in range(lanes)]
-      return [future.result() for future in futures]
+    with concurrent.futures.ThreadPoolExecutor(lanes - 1, thread_name_prefix="decode") as pool:
+      futures = [pool.submit(guarded_lane) for _ in range(lanes - 1)]
+      mine = guarded_lane()
+      return [mine] + [future.result() for future in futures]
 
   def _prepare_all(self, needed: Sequence[tuple[tuple, tuple]]) -> float:
     """`_prepare`s the decoders of `needed` [(shape, inputs)], side by side
