@@ -125,8 +125,9 @@ def run_computations_on_calling_threads() -> bool:
   before JAX's first computation (the CPU backend reads it when it starts);
   the same conditions as `keep_freed_memory`, whose settings it needs.
   Returns whether it was applied. The price: a thread that calls a
-  computation waits for it (no overlap of its own host work with it), which
-  `decode.py`'s other lanes make up for."""
+  computation waits for it (no overlap of its own host work with it, no
+  next batch queued meanwhile), which `decode.py`'s other lanes make up for
+  only where batches are large (`decode.CALLING_THREAD_MIN_ROWS`)."""
   if not _applies():
     return False
   import jax  # (here: the rest of this module is used before jax is imported)
