@@ -456,7 +456,8 @@ class Translator:
         batches, so that every sentence is decoded in the batch, with the
         rows, it would be decoded in by one process (a sentence's last bits
         depend on its batch: `multihost.split_across_processes`).
-      concurrent_batches: batches decoded at once, each by a thread of its
+      concurrent_batches: batches decoded at once, side by side, the calling
+        thread decoding one lane of them and each other lane a thread of its
         own (the same results, in less time where one batch's small steps
         leave cores idle); 0: `default_concurrent_batches()`.
       scores: False when only the texts are wanted: greedy search and
