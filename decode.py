@@ -358,8 +358,8 @@ def rows_per_batch() -> int:
   they vary with the inputs' lengths)."""
   if _BATCH_TOKENS.value:
     return 0
-  per_input = {"beam": _BEAM_SIZE.value, "sample": _N_BEST.value}.get(_METHOD.value, 1)
-  return _BATCH_SIZE.value * per_input
+  return _BATCH_SIZE.value * decoding_options.rows_per_input(
+      _METHOD.value, _BEAM_SIZE.value, _N_BEST.value)
 
 
 def main_then_exit(argv) -> int:

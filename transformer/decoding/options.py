@@ -9,6 +9,12 @@ METHODS = ("greedy", "beam", "sample")
 BEAM_STOPS = ("exact", "current")  # beam search's early-exit bounds (search.beam_search)
 
 
+def rows_per_input(method: str, beam_size: int, n_best: int) -> int:
+  """The decoder rows one input takes: its beams (beam search), its samples
+  (sampling: one row per sample), or one (greedy search)."""
+  return {"beam": beam_size, "sample": n_best}.get(method, 1)
+
+
 def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
                   beam_stop: str = "exact",
                   max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,

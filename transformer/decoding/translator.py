@@ -51,7 +51,7 @@ from transformer.model.config import MATMUL_DTYPES, TransformerConfig
 from transformer.model import kv_cache
 from transformer.model.kv_cache import init_cache, reorder_cache
 from transformer.runtime import parallel
-from transformer.decoding.options import check_options
+from transformer.decoding.options import check_options, rows_per_input
 from transformer.runtime.errors import OptionError
 
 # A decoding batch goes on with a quarter of its rows once they hold all its
@@ -496,7 +496,7 @@ class Translator:
         1, self._batch_rows(batch_size, copies, batch_tokens, src_len) // copies)
     # Buckets too small to pay for a decoder of their own go to a longer one
     # (each input still searched to its own bucket's length: `limits`).
-    decoder_rows = beam_size if method == "beam" else copies  # (per input)
+    decoder_rows = rows_per_input(method, beam_size, n_best)
     shared = (batching.shared_buckets(encoded, self.config.max_len, decoder_rows)
               if self.share_buckets else {})
     limits = {}  # input -> most tokens it generates: its own bucket's
@@ -522,10 +522,8 @@ class Translator:
     rows_per_decoder = {}
     for shape, members in batches:
       rows_per_decoder[shape] = rows_per_decoder.get(shape, 0) + len(members) * decoder_rows
-    first_search = lambda shape: (  # (its cache sized to the translations)
-        _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len"))
     built = {shape: (self._shrink_factor(method, rows, early_exit),
-                     self._small_decoder(method, rows, first_search(shape)))
+                     self._small_decoder(method, rows, _is_first_search(shape)))
              for shape, rows in rows_per_decoder.items()}
     batches = [(shape + built[shape], members)
                for shape, members in batches][share_index::share_count]
@@ -558,7 +556,7 @@ class Translator:
       seqs, scores, done = np.asarray(seqs), np.asarray(scores), np.asarray(done)
       if not log_probs:  # (the decoder left them out: zeros)
         scores = np.full(scores.shape, np.nan, np.float32)
-      if _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len"):  # (a first search)
+      if _is_first_search(shape):
         done = done[:len(members) * copies].reshape(len(members), copies).all(axis=1)
         if not done.all():
           searched_again.append(
@@ -829,3 +827,9 @@ _DECODER_ARGUMENTS = tuple(inspect.signature(Translator._decode_fn).parameters)[
 def _decoder_option(shape: tuple, name: str):
   """The value of `Translator._decode_fn`'s argument `name` in `shape`."""
   return shape[_DECODER_ARGUMENTS.index(name)]
+
+
+def _is_first_search(shape: tuple) -> bool:
+  """Whether the decoder of `shape` runs a first search: its cache sized to
+  the translations (`batching.first_search_length`), shorter than the search."""
+  return _decoder_option(shape, "max_len") < _decoder_option(shape, "search_len")
