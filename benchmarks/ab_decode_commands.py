@@ -14,6 +14,10 @@ neighbours on a shared machine (separate processes of the same code differ by
 5-15% on a 2-core machine: only alternating runs compare). Prints each tree's
 median and all its seconds, its speed against the first tree's, and how many
 output lines equal the first tree's.
+
+`--env` (repeated) compares environments instead of, or as well as, trees:
+each tree runs under each `--env`'s variables ("NAME=VALUE NAME=VALUE", ""
+for none), e.g. `--trees=. --env= --env=MALLOC_ARENA_MAX=1`.
 """
 
 from __future__ import annotations
@@ -38,11 +42,23 @@ def decode_command(tree: str, workdir: str, flags: list[str]) -> list[str]:
           *flags]
 
 
-def run(command: list[str], input_path: str) -> tuple[float, list[str]]:
+def environment(assignments: str) -> dict[str, str]:
+  """This process's environment with `assignments` ("NAME=VALUE NAME=VALUE") added."""
+  added = {}
+  for assignment in assignments.split():
+    name, equals, value = assignment.partition("=")
+    if not (name and equals):
+      raise SystemExit(f"--env: {assignment!r} is not NAME=VALUE")
+    added[name] = value
+  return dict(os.environ, **added)
+
+
+def run(command: list[str], input_path: str,
+        env: dict[str, str] | None = None) -> tuple[float, list[str]]:
   """(wall seconds, output lines) of one command reading `input_path`."""
   with open(input_path, "rb") as stdin:
     start = time.perf_counter()
-    done = subprocess.run(command, stdin=stdin, capture_output=True, check=False)
+    done = subprocess.run(command, stdin=stdin, capture_output=True, check=False, env=env)
     seconds = time.perf_counter() - start
   if done.returncode:
     raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n"
@@ -52,9 +68,9 @@ def run(command: list[str], input_path: str) -> tuple[float, list[str]]:
 
 def summary(trees: list[str], seconds: dict[str, list[float]],
             outputs: dict[str, list[str]]) -> list[str]:
-  """The table's rows: per tree, its median seconds, the first tree's median
-  over its own (> 1: faster), every round's seconds, and its output lines
-  equal to the first tree's."""
+  """The table's rows: per tree (or tree and environment), its median
+  seconds, the first one's median over its own (> 1: faster), every round's
+  seconds, and its output lines equal to the first one's."""
   first = trees[0]
   rows = ["| tree | median (s) | speed vs the first | seconds per round | lines as the first's |",
           "|---|---|---|---|---|"]
@@ -79,24 +95,32 @@ def main(argv=None) -> int:
   parser.add_argument("--input", required=True, help="a TSV (source<TAB>reference) or text")
   parser.add_argument("--lines", type=int, default=1000)
   parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--env", action="append",
+                      help="environment variables to run every tree under, "
+                           "\"NAME=VALUE NAME=VALUE\" (\"\": none); repeat to compare")
   args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
   trees = args.trees.split(",")
   for tree in trees:
     if not (Path(tree) / "decode.py").is_file():
       parser.error(f"--trees: {tree} has no decode.py")
+  envs = args.env or [""]
+  # Each (tree, environment) is a variant, named by its tree (and its variables).
+  variants = {(f"{tree} {env or '(no variables)'}" if len(envs) > 1 else tree):
+              (decode_command(tree, args.workdir, flags), environment(env))
+              for tree in trees for env in envs}
   lines, _ = read_input(Path(args.input), args.lines)
   with tempfile.TemporaryDirectory() as tmp:
     input_path = os.path.join(tmp, "input.txt")
     Path(input_path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    commands = {tree: decode_command(tree, args.workdir, flags) for tree in trees}
-    outputs = {tree: run(commands[tree], input_path)[1] for tree in trees}  # (compiles)
-    seconds = {tree: [] for tree in trees}
+    outputs = {name: run(command, input_path, env)[1]
+               for name, (command, env) in variants.items()}  # (compiles)
+    seconds = {name: [] for name in variants}
     for _ in range(args.rounds):
-      for tree in trees:
-        seconds[tree].append(run(commands[tree], input_path)[0])
+      for name, (command, env) in variants.items():
+        seconds[name].append(run(command, input_path, env)[0])
   print(f"{len(lines)} lines of {args.input}, decode.py {' '.join(flags)}; "
-        f"{args.rounds} rounds, the trees taking turns\n")
-  print("\n".join(summary(trees, seconds, outputs)))
+        f"{args.rounds} rounds, taking turns\n")
+  print("\n".join(summary(list(variants), seconds, outputs)))
   return 0
 
 

@@ -492,17 +492,65 @@ def test_ab_decode_commands_reads_sources_and_summarizes_by_hand(tmp_path):
   assert short[3].endswith("| 1 (1 lines against 2) |")
   with pytest.raises(SystemExit):
     ab.main([f"--trees={tmp_path}", "--workdir=w", f"--input={text}"])  # (no decode.py)
+  env = ab.environment("A_B=1 GLIBC_TUNABLES=glibc.malloc.hugetlb=1")
+  assert env["A_B"] == "1" and env["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+  assert env["PATH"] == os.environ["PATH"]  # (added to this process's environment)
+  assert ab.environment("") == dict(os.environ)
+  with pytest.raises(SystemExit, match="not NAME=VALUE"):
+    ab.environment("A=1 B")
 
 
-@pytest.mark.slow  # (~5 s: two decode.py processes of the fixture model)
+@pytest.mark.slow  # (~10 s: four decode.py processes of the fixture model)
 def test_ab_decode_commands_runs_decode_py_of_each_tree(tmp_path, capsys):
   """The whole A/B on the fixture model: this checkout against itself, one
-  round: the same output lines, and a row per tree."""
+  round: the same output lines, and a row per tree; then with and without
+  an environment variable, a row for each."""
   from benchmarks import ab_decode_commands as ab
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   text = tmp_path / "in.txt"
   text.write_text("a cat\nthe red car\n", encoding="utf-8")
-  assert ab.main([f"--trees={repo}", f"--workdir={repo}/tests/fixtures/workdir_d26a6fb",
-                  f"--input={text}", "--rounds=1", "--", "--method=greedy"]) == 0
+  args = [f"--trees={repo}", f"--workdir={repo}/tests/fixtures/workdir_d26a6fb",
+          f"--input={text}", "--rounds=1"]
+  assert ab.main(args + ["--", "--method=greedy"]) == 0
   out = capsys.readouterr().out
   assert f"| {repo} | " in out and out.rstrip().endswith("| 2 |")
+  assert ab.main(args + ["--env=", "--env=TRANSFORMER_KEEP_FREED_MEMORY=0",
+                         "--", "--method=greedy"]) == 0
+  rows = capsys.readouterr().out.rstrip().splitlines()[-2:]
+  assert rows[0].startswith(f"| {repo} (no variables) | ") and rows[0].endswith("| 2 |")
+  assert rows[1].startswith(f"| {repo} TRANSFORMER_KEEP_FREED_MEMORY=0 | ")
+  assert rows[1].endswith("| 2 |")
+
+
+def test_decode_phases_splits_a_command_by_hand():
+  """decode_phases.py: the phases from a child's stamps (seconds since its
+  start) and the command's wall time, worked out by hand; the table's
+  medians."""
+  from benchmarks import decode_phases
+  stamps = {"jax imported": 0.4, "first load": 0.55, "decoders loaded": 0.2, "decoded": 1.0}
+  phases = decode_phases.phase_seconds(stamps, total=1.9)
+  assert list(phases) == list(decode_phases.PHASES)
+  assert phases == pytest.approx({"start, import jax": 0.4, "decode.py ready": 0.15,
+                                  "loading decoders": 0.2, "decoding": 1.0,
+                                  "the rest": 0.15})
+  rows = decode_phases.summary([phases, dict(phases, decoding=2.0), dict(phases, decoding=1.5)],
+                               [1.9, 2.9, 2.4])
+  assert rows[5] == "| decoding | 1.50 | 1.00 2.00 1.50 |"
+  assert rows[-1] == "| whole command | 2.40 | 1.90 2.90 2.40 |"
+
+
+@pytest.mark.slow  # (~10 s: two decode.py processes of the fixture model)
+def test_decode_phases_times_decode_py_of_this_checkout(tmp_path, capsys):
+  """decode_phases.py on the fixture model, one round: every phase but the
+  rest took some time, and the phases add up to the whole command."""
+  from benchmarks import decode_phases
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  text = tmp_path / "in.txt"
+  text.write_text("a cat\nthe red car\n", encoding="utf-8")
+  assert decode_phases.main([f"--workdir={repo}/tests/fixtures/workdir_d26a6fb",
+                             f"--input={text}", "--rounds=1", "--", "--method=greedy"]) == 0
+  rows = capsys.readouterr().out.rstrip().splitlines()[-6:]
+  seconds = [float(row.split("|")[2]) for row in rows]
+  assert [row.split("|")[1].strip() for row in rows[:-1]] == list(decode_phases.PHASES)
+  assert all(s > 0 for s in seconds[:4]) and seconds[4] >= 0  # (the rest: nothing counted twice)
+  assert sum(seconds[:-1]) == pytest.approx(seconds[-1], abs=0.03)  # (rounding to 0.01 s)
