@@ -23,6 +23,7 @@ for none), e.g. `--trees=. --env= --env=MALLOC_ARENA_MAX=1`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -40,6 +41,23 @@ def decode_command(tree: str, workdir: str, flags: list[str]) -> list[str]:
   """`decode.py` of `tree` on standard input, quiet (no progress bar)."""
   return [sys.executable, str(Path(tree) / "decode.py"), f"--workdir={workdir}", "--quiet",
           *flags]
+
+
+def split_at_dashes(argv: list[str]) -> tuple[list[str], list[str]]:
+  """(this script's arguments, decode.py's: those after `--`)."""
+  if "--" not in argv:
+    return argv, []
+  return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+
+
+@contextlib.contextmanager
+def lines_in_a_file(lines: list[str]):
+  """The path of a temporary file holding `lines`, one per line (its
+  directory is the caller's to use too), removed afterwards."""
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "input.txt")
+    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    yield path
 
 
 def environment(assignments: str) -> dict[str, str]:
@@ -85,8 +103,7 @@ def summary(trees: list[str], seconds: dict[str, list[float]],
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  flags = argv[argv.index("--") + 1:] if "--" in argv else []
+  own, flags = split_at_dashes(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--trees", required=True,
                       help="comma-separated checkouts (roots holding decode.py); the first "
@@ -98,7 +115,7 @@ def main(argv=None) -> int:
   parser.add_argument("--env", action="append",
                       help="environment variables to run every tree under, "
                            "\"NAME=VALUE NAME=VALUE\" (\"\": none); repeat to compare")
-  args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+  args = parser.parse_args(own)
   trees = args.trees.split(",")
   for tree in trees:
     if not (Path(tree) / "decode.py").is_file():
@@ -109,9 +126,7 @@ def main(argv=None) -> int:
               (decode_command(tree, args.workdir, flags), environment(env))
               for tree in trees for env in envs}
   lines, _ = read_input(Path(args.input), args.lines)
-  with tempfile.TemporaryDirectory() as tmp:
-    input_path = os.path.join(tmp, "input.txt")
-    Path(input_path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+  with lines_in_a_file(lines) as input_path:
     outputs = {name: run(command, input_path, env)[1]
                for name, (command, env) in variants.items()}  # (compiles)
     seconds = {name: [] for name in variants}

@@ -29,15 +29,14 @@ import json
 import os
 import runpy
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import ab_decode_commands  # noqa: E402
 from benchmarks.bench_vs_ctranslate2 import read_input  # noqa: E402
 
 PHASES = ("start, import jax", "decode.py ready", "loading decoders", "decoding", "the rest")
@@ -101,25 +100,21 @@ def _child(flags: list[str]) -> None:
   runpy.run_path(str(REPO / "decode.py"), run_name="__main__")
 
 
-def run(flags: list[str], input_path: str, stamps_path: str) -> tuple[dict[str, float], float]:
-  """One decode.py command's phases and whole wall time (seconds), reading `input_path`."""
+def run(flags: list[str], input_path: str) -> tuple[dict[str, float], float]:
+  """One decode.py command's phases and whole wall time (seconds), reading
+  `input_path` (its stamps written beside it)."""
+  stamps_path = os.path.join(os.path.dirname(input_path), "stamps.json")
   env = dict(os.environ, **{_STARTED: repr(time.time()), _STAMPS: stamps_path})
-  with open(input_path, "rb") as stdin:
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, "--phases_child", "--", *flags],
-                          stdin=stdin, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          env=env, check=False)
-    total = time.perf_counter() - start
-  if done.returncode:
-    raise SystemExit(f"decode.py {' '.join(flags)} failed ({done.returncode}):\n"
-                     f"{done.stderr.decode(errors='replace')[-2000:]}")
-  return phase_seconds(json.loads(Path(stamps_path).read_text()), total), total
+  total, _ = ab_decode_commands.run([sys.executable, __file__, "--phases_child", "--", *flags],
+                                    input_path, env)
+  stamps = json.loads(Path(stamps_path).read_text())
+  if "first load" not in stamps:
+    raise SystemExit(f"decode.py {' '.join(flags)} decoded nothing: no phases to time")
+  return phase_seconds(stamps, total), total
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  flags = argv[argv.index("--") + 1:] if "--" in argv else []
-  own = argv[:argv.index("--")] if "--" in argv else argv
+  own, flags = ab_decode_commands.split_at_dashes(sys.argv[1:] if argv is None else argv)
   if own == ["--phases_child"]:
     _child(flags)
     return 0
@@ -131,11 +126,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(own)
   lines, _ = read_input(Path(args.input), args.lines)
   flags = [f"--workdir={args.workdir}", "--quiet", *flags]
-  with tempfile.TemporaryDirectory() as tmp:
-    input_path, stamps_path = os.path.join(tmp, "input.txt"), os.path.join(tmp, "stamps.json")
-    Path(input_path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    run(flags, input_path, stamps_path)  # (may compile)
-    rounds, totals = zip(*(run(flags, input_path, stamps_path) for _ in range(args.rounds)))
+  with ab_decode_commands.lines_in_a_file(lines) as input_path:
+    run(flags, input_path)  # (may compile)
+    rounds, totals = zip(*(run(flags, input_path) for _ in range(args.rounds)))
   print(f"{len(lines)} lines of {args.input}, decode.py {' '.join(flags)}; {args.rounds} rounds\n")
   print("\n".join(summary(list(rounds), list(totals))))
   return 0

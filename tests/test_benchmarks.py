@@ -498,6 +498,12 @@ def test_ab_decode_commands_reads_sources_and_summarizes_by_hand(tmp_path):
   assert ab.environment("") == dict(os.environ)
   with pytest.raises(SystemExit, match="not NAME=VALUE"):
     ab.environment("A=1 B")
+  assert ab.split_at_dashes(["--rounds=1", "--", "--beam_size=4", "--"]) == (
+      ["--rounds=1"], ["--beam_size=4", "--"])
+  assert ab.split_at_dashes(["--rounds=1"]) == (["--rounds=1"], [])
+  with ab.lines_in_a_file(["one", "two three"]) as path:
+    assert open(path, encoding="utf-8").read() == "one\ntwo three\n"
+  assert not os.path.exists(path)
 
 
 @pytest.mark.slow  # (~10 s: four decode.py processes of the fixture model)
