@@ -70,8 +70,21 @@ def get_config() -> ml_collections.ConfigDict:
   # Optimisation (the paper's Adam and schedule; scale 1 = the paper's rate).
   config.num_train_steps = 400
   config.train_minutes = 0.0   # > 0: stop in time to save, average and evaluate within it
+  # "paper": lr = learning_rate_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5);
+  # "budget" (needs train_minutes): warm-up over warmup_fraction of the steps the
+  # measured speed affords, learning_rate, then a linear decay to zero over the
+  # last decay_fraction of the run (training/time_budget.py).
+  config.lr_schedule = "paper"
   config.warmup_steps = 1000   # still warming up at the end: a gentle, steady rise
   config.learning_rate_scale = 1.0
+  config.learning_rate = 1e-3   # "budget": the peak
+  config.warmup_fraction = 0.05
+  config.decay_fraction = 0.3
+  config.budget_eval_minutes = 5.0  # "budget": an evaluation every N minutes (not eval_every)
+  # "auto" (with train_minutes): config.model's width chosen from this machine's
+  # measured speed, the largest that the budget trains for enough steps
+  # (training/run_setup.py, model_for_budget); "": config.model as it is.
+  config.model_for_budget = ""
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98
   config.adam_eps = 1e-9
@@ -90,6 +103,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 200
   config.keep_checkpoints = 3
   config.average_last = 1             # >1: average the last N checkpoints at the end
+  # "if_no_worse": the average is the final model only where its validation
+  # BLEU (else loss) is no worse than the last step's; "always": as the paper.
+  config.keep_average = "if_no_worse"
   # The report at the end, when the data has a test split: BLEU, chrF and the
   # translations of the final (averaged) model, and curves.png.
   config.test_report = True

@@ -45,13 +45,16 @@ def get_config():
 
   config.train_minutes = 20.0
   config.num_train_steps = 1_000_000   # the time budget ends the run
-  config.warmup_steps = 300
-  config.learning_rate_scale = 0.5
+  config.lr_schedule = "budget"        # warm-up, stable, decay: fractions of the run
+  config.learning_rate = 2e-3
+  config.warmup_fraction = 0.05
+  config.decay_fraction = 0.3
+  config.model_for_budget = "auto"     # d_model 256 or 128, by this machine's speed
 
   config.log_every = 50
-  config.eval_every = 250
-  config.num_bleu_examples = 200      # greedy, on the first 200 validation pairs
-  config.checkpoint_every = 100
+  config.budget_eval_minutes = 5.0    # greedy, on 200 validation pairs
+  config.num_bleu_examples = 200
+  config.checkpoint_every = 100       # (for a kill; the decay's are saved besides)
   config.keep_checkpoints = 5
-  config.average_last = 5
+  config.average_last = 4             # of the decay: kept only if validation agrees
   return config

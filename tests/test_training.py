@@ -72,7 +72,7 @@ COMPARABLE_ADAM_EPS = 1e-4
 # with: dropout on, gradient accumulation, periodic checkpoints, averaging.
 REF_STEPS = 24
 REF = {"num_train_steps": REF_STEPS, "grad_accum_steps": 2, "checkpoint_every": 8,
-       "keep_checkpoints": 3, "average_last": 2, "log_every": 5,
+       "keep_checkpoints": 3, "average_last": 2, "keep_average": "always", "log_every": 5,
        "adam_eps": COMPARABLE_ADAM_EPS}
 
 
@@ -486,14 +486,16 @@ def test_init_from_starts_from_another_workdirs_parameters_and_vocabulary(tmp_pa
                                                                           reference_run,
                                                                           caplog):
   """Fine-tuning: with a learning rate of 0 the new run's checkpoint holds
-  exactly the parameters it started from (the reference's averaged ones), and
+  exactly the parameters it started from (the reference's "auto" checkpoint:
+  its average where validation kept it, else its last step), and
   its vocabulary is the reference's; the model is the reference's whatever
   config.model says of its architecture (dropout and the like are this run's)."""
   ref_dir, _ = reference_run
   tuned = tmp_path / "tuned"
   train(tuned, dict(REF, init_from=str(ref_dir), num_train_steps=2, checkpoint_every=2,
                     average_last=1, learning_rate_scale=0.0, test_report=False))
-  started, source = load_params(tuned, "latest"), load_params(ref_dir, "averaged")
+  started = load_params(tuned, "latest")
+  source = load_params(ref_dir, workdir_lib.resolve_checkpoint(str(ref_dir), "auto"))
   assert checkpoints.checkpoint_steps(str(tuned)) == [2]
   for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(source)):
     np.testing.assert_array_equal(a, b)
@@ -1094,21 +1096,16 @@ class FakeClock:
     return self.now
 
 
-def test_time_budget_keeps_what_the_end_of_the_run_needs():
+def test_time_budget_stops_before_the_reserve():
+  """(What the reserve holds: tests/test_time_budget.py.)"""
   clock = FakeClock()
-  budget = time_budget.TimeBudget(10, spent_seconds=30, num_test_sentences=100,
-                                  test_cost=3.5, clock=clock)
+  budget = time_budget.TimeBudget(10, spent_seconds=30, clock=clock)
   assert budget.spent() == 30 and budget.remaining() == 570
   # Nothing measured yet: a tenth of the budget is kept.
   assert budget.reserve_seconds() == 60
   clock.now += 570 - 60 - 2.0          # 62 s left
   assert not budget.should_stop(1.0)   # 1 s step + 60 s reserve < 62 s
   assert budget.should_stop(3.0)
-  # Measured: save 2 s (the longest counts), evaluation 20 s, 0.1 s a greedy
-  # sentence: 2 + 20 + 100 x 0.1 x 3.5 + 5 s margin = 62 s.
-  budget.measured(save_seconds=2.0)
-  budget.measured(save_seconds=1.0, eval_seconds=20.0, seconds_per_sentence=0.1)
-  assert budget.reserve_seconds() == pytest.approx(2 + 20 + 35 + time_budget.MARGIN_SECONDS)
   assert not time_budget.TimeBudget(0, clock=clock).should_stop(1e9)  # 0: no budget
 
 

@@ -155,7 +155,7 @@ def arm_kill(phase: str, nth: int, delay: float) -> None:
     orbax_items.ProcessJsonCheckpointHandler._save_fn = save_data_state
   else:
     owner, name = {"eval": (evaluation.Evaluator, "__call__"),
-                   "average": (averaging, "average_and_save")}[phase]
+                   "average": (averaging, "save_averaged")}[phase]
     original = getattr(owner, name)
 
     def killed_within(*args, **kwargs):

@@ -84,7 +84,7 @@ RESUMABLE_FIELDS = (
     "data.test_path", "data.test_src", "data.test_tgt", "data.tfds_test_split",
     "log_every", "eval_every", "eval_batch_size", "num_eval_examples",
     "num_bleu_examples", "eval_decode_method", "eval_beam_size",
-    "checkpoint_every", "keep_checkpoints", "average_last",
+    "checkpoint_every", "keep_checkpoints", "average_last", "keep_average", "budget_eval_minutes",
     "data.tfds_data_dir", "state_sharding", "shared_workdir",
     "init_from",  # (read at step 0 only; a resumed run continues from its own checkpoint)
     "data.prepared", "data.prepared_dir",  # the same batches from the text or its shards

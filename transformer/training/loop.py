@@ -72,6 +72,9 @@ class TrainResult:
   minutes: float = 0.0          # training minutes, earlier runs of the workdir included
   stopped_by_time: bool = False  # the loop ended at config.train_minutes
   warnings: list[str] = dataclasses.field(default_factory=list)  # stall / warm-up
+  final_model: str = ""         # which parameters were evaluated last, and why
+  budget_minutes: float = 0.0   # config.train_minutes (0: none)
+  schedule: list[int] | None = None  # a budget's plan: [warm-up, decay start, decay steps]
 
 
 # ----------------------------------------------------------------------------
@@ -106,6 +109,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         f" hold only this process's slices. Give all processes a shared --workdir, or use"
         f" --config.state_sharding=replicated.")
   workdir = str(path)
+  config = run_setup.model_for_budget(config, workdir)
   with contextlib.ExitStack() as stack:
     stack.enter_context(run_lock.hold(workdir, shared=shared))
     stack.enter_context(run_log.run_log(workdir))
@@ -165,9 +169,10 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   test_pairs = (data_sources.load_split(config.data, "test")
                 if config.get("test_report", True) and data_sources.has_split(config.data, "test")
                 else [])
-  budget = _time_budget(config, ckpt, len(test_pairs), started)
   evaluate = evaluation.Evaluator(config, model_config, tokenizer, eval_pairs, mesh, writer,
                                   minutes=lambda: budget.spent() / 60)
+  budget = _time_budget(config, ckpt, evaluate, test_pairs, started)
+  planner = _budget_planner(config, state, budget)
   monitor = run_monitor.RunMonitor(config, model_config, tokenizer, train_pairs, budget)
   with preemption.PreemptionWatch() as watch:
     state, step, train_summary = _train_steps(
@@ -175,11 +180,13 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
         step_fn=steps_lib.jit_local_train_step(config, model_config, optimizer, schedule,
                                                mesh, state_shardings),
         train_iter=train_iter, ckpt=ckpt, evaluate=evaluate, writer=writer, monitor=monitor,
+        planner=planner,
         progress=metrics_lib.progress_bar(start_step, config.num_train_steps,
-                                          enabled=is_main and not quiet))
+                                          enabled=is_main and not quiet,
+                                          budgeted=budget.enabled))
 
-  final_params, averaged = _average_last_checkpoints(config, workdir, ckpt, state, mesh)
-  eval_summary = evaluate(final_params, step, averaged=averaged)
+  final_params, eval_summary, final_choice = _final_model(
+      config, workdir, ckpt, state, step, mesh, evaluate, planner)
   test_summary = {}
   if test_pairs:
     method = config.get("test_decode_method", "beam")
@@ -194,7 +201,9 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   return TrainResult(step=step, train=train_summary, eval=eval_summary,
                      samples=evaluate.samples, workdir=workdir, test=test_summary,
                      minutes=budget.spent() / 60, stopped_by_time=monitor.stopped_by_time,
-                     warnings=monitor.warnings)
+                     warnings=monitor.warnings, final_model=final_choice,
+                     budget_minutes=budget.seconds / 60,
+                     schedule=None if planner is None else planner.plan.tolist())
 
 
 def _start_from(source: str, state: dict) -> dict:
@@ -209,18 +218,39 @@ def _start_from(source: str, state: dict) -> dict:
   return dict(state, params=params)
 
 
-def _time_budget(config, ckpt: checkpoints.Checkpointer, num_test: int,
-                 started: float) -> time_budget_lib.TimeBudget:
+def _time_budget(config, ckpt: checkpoints.Checkpointer, evaluate: evaluation.Evaluator,
+                 test_pairs, started: float) -> time_budget_lib.TimeBudget:
   """config.train_minutes as a TimeBudget, counting from `started` (this run's
   start, time.monotonic) plus the seconds the latest checkpoint records."""
   spent = 0.0
   if ckpt.latest_step():
     spent = float(ckpt.restore_metadata().get(time_budget_lib.SPENT_KEY, 0.0))
+  minutes = config.get("train_minutes", 0.0)
+  if not minutes:  # (no budget: the minutes spent are still recorded)
+    return time_budget_lib.TimeBudget(0.0, spent + (time.monotonic() - started))
   cost = time_budget_lib.decode_cost
+  test_method = config.get("test_decode_method", "beam")
+  averaging = config.average_last > 1
   return time_budget_lib.TimeBudget(
-      config.get("train_minutes", 0.0), spent + (time.monotonic() - started),
-      num_test_sentences=num_test,
-      test_cost=cost(config.get("test_decode_method", "beam")) / cost(config.eval_decode_method))
+      minutes, spent + (time.monotonic() - started),
+      test_tokens=evaluate.reference_tokens(test_pairs) if test_pairs else 0,
+      eval_tokens=evaluate.reference_tokens(),
+      test_cost=cost(test_method) / cost(config.eval_decode_method),
+      test_compile_cost=(time_budget_lib.BEAM_COMPILE_COST
+                         if test_method != config.eval_decode_method else 0.0),
+      final_evaluations=2 if averaging else 1,
+      checkpoints_to_average=config.average_last if averaging else 0)
+
+
+def _budget_planner(config, state: dict, budget) -> time_budget_lib.BudgetPlanner | None:
+  """The planner of config.lr_schedule="budget" (None for the paper's
+  schedule), starting from the plan in `state` (a resumed run's)."""
+  if "schedule" not in state:
+    return None
+  return time_budget_lib.BudgetPlanner(
+      budget, np.asarray(jax.device_get(state["schedule"])),
+      warmup_fraction=config.warmup_fraction, decay_fraction=config.decay_fraction,
+      eval_minutes=config.budget_eval_minutes, checkpoints_in_decay=max(1, config.average_last))
 
 
 def _train_iterator(config, train_pairs, tokenizer):
@@ -265,6 +295,7 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
                  ckpt: checkpoints.Checkpointer, evaluate: evaluation.Evaluator,
                  writer: metrics_lib.MetricsWriter, monitor: run_monitor.RunMonitor,
                  progress, watch: preemption.PreemptionWatch | None = None,
+                 planner: time_budget_lib.BudgetPlanner | None = None,
                  ) -> tuple[dict, int, dict]:
   """Trains from `step` to `config.num_train_steps`, or until the time budget
   (`monitor.budget`) leaves only what the end of the run needs: metrics every
@@ -279,12 +310,17 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
   TrainingDiverged without saving. On a preemption notice (`watch`, asked
   after every step; runtime/preemption.py) it skips that step's evaluation,
   saves the step, waits for the checkpoint and raises preemption.Preempted.
+
+  With a budget `planner` (config.lr_schedule="budget") the first updates
+  are timed, the plan it fixes goes into the state, evaluations and the
+  decay's checkpoints follow it, and the loop ends when its decay does.
   """
   train_summary: dict[str, float] = {}
   window, window_start, last_log_step = None, time.perf_counter(), step
   metrics = None
   budget = monitor.budget
   step_seconds = 0.0  # of the last logging window, per step
+  timer = _FirstStepsTimer() if planner is not None else None
 
   def save(force=False):
     _check_finite(float(metrics["loss"]), step, ckpt, workdir)
@@ -301,10 +337,27 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
       monitor.stopped_by_time = True
       logger.info("The time budget (config.train_minutes=%g) is spent: no more steps.",
                   budget.seconds / 60)
+    elif planner is not None and planner.finished(step):
+      monitor.stopped_by_time = True
+      logger.warning(
+          "The learning rate's decay ended at step %d, which this workdir reached: a larger "
+          "config.train_minutes trains no further with lr_schedule=budget. To train on, "
+          "fine-tune from it in a new workdir (--config.init_from=%s).", step, workdir)
     while step < config.num_train_steps and not monitor.stopped_by_time:
       state, metrics = step_fn(state, _stack_micro_batches(train_iter, config.grad_accum_steps))
       step += 1
-      if budget.should_stop(step_seconds):
+      if planner is not None:
+        step_seconds = step_seconds or timer.after_step(metrics)
+        if planner.after_step(step, step_seconds):
+          state = dict(state, schedule=jax.device_put(planner.plan.astype(np.int32),
+                                                      state["schedule"].sharding))
+          progress.write(_plan_message(planner, step, step_seconds))
+      if planner is not None and planner.finished(step):
+        monitor.stopped_by_time = True
+        progress.write(f"step {step}: the learning rate's decay has ended (config.train_"
+                       f"minutes={budget.seconds / 60:g}); {budget.reserve_seconds():.0f} s "
+                       "kept to save, average and evaluate.")
+      elif budget.should_stop(step_seconds):
         monitor.stopped_by_time = True
         progress.write(f"step {step}: stopping for the time budget "
                        f"(config.train_minutes={budget.seconds / 60:g}); "
@@ -321,20 +374,33 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
         step_seconds = 1.0 / train_summary["steps_per_second"]
         train_summary.update(mfu=monitor.mfu(train_summary["steps_per_second"]),
                              minutes=budget.spent() / 60)
+        if budget.enabled:  # (the bar's total: the steps the budget affords)
+          metrics_lib.set_progress_total(progress, _estimated_total(
+              planner, budget, step, step_seconds, config.num_train_steps))
         writer.write(step, train_summary, prefix="train")
-        progress.set_postfix(loss=f"{train_summary['loss']:.3f}",
-                             acc=f"{train_summary['accuracy']:.3f}",
-                             mfu=f"{train_summary['mfu']:.0%}")
+        postfix = dict(loss=f"{train_summary['loss']:.3f}",
+                       acc=f"{train_summary['accuracy']:.3f}", mfu=f"{train_summary['mfu']:.0%}")
+        if budget.enabled:  # (the budget's own clock: evaluations and the end included)
+          postfix["left"] = f"{max(0.0, budget.remaining()) / 60:.1f} min"
+        progress.set_postfix(**postfix)
         for warning in monitor.after_log(step, train_summary):
           logger.warning("%s", warning)  # (the console and train.log)
         window, window_start, last_log_step = None, time.perf_counter(), step
-      if step % config.eval_every == 0 and not last and not preempted:
+      due = (planner.should_evaluate(step) if planner is not None
+             else step % config.eval_every == 0)
+      if due and not last and not preempted:
+        eval_start = time.perf_counter()
         progress.write(metrics_lib.format_eval(step, evaluate(state["params"], step)))
-        budget.measured(eval_seconds=evaluate.seconds,
-                        seconds_per_sentence=evaluate.seconds_per_sentence)
-        window_start = time.perf_counter()
-      if ckpt.should_save(step) or last or preempted:
-        save(force=last or preempted)
+        logger.info("The evaluation took %.1f s (%.1f s compiling; %.3f s a sentence).",
+                    evaluate.seconds, evaluate.compile_seconds, evaluate.seconds_per_sentence)
+        budget.measured(eval_seconds=evaluate.seconds, compile_seconds=evaluate.compile_seconds,
+                        translate_seconds=evaluate.translate_seconds,
+                        generated_tokens=evaluate.generated_tokens)
+        # (the logging window's speed leaves the evaluation out, not its steps)
+        window_start += time.perf_counter() - eval_start
+      in_decay = planner is not None and planner.should_save(step)  # (to average)
+      if ckpt.should_save(step) or last or preempted or in_decay:
+        save(force=last or preempted or in_decay)
       if preempted:
         break
   except KeyboardInterrupt:
@@ -350,6 +416,52 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
     # scheduler wants the machine now; the next run averages and evaluates.)
     raise preemption.Preempted(step, ckpt.directory, watch.reason or "SIGTERM")
   return state, step, train_summary
+
+
+class _FirstStepsTimer:
+  """Times the updates after a run's first (compiling) one, for the budget's
+  plan: `after_step(metrics)` returns the seconds of an update once
+  MEASURE_STEPS were timed, else 0. Waits for the device twice in all."""
+
+  def __init__(self):
+    self._steps, self._start = 0, 0.0
+
+  def after_step(self, metrics) -> float:
+    self._steps += 1
+    if self._steps == 1 or self._steps == 1 + time_budget_lib.MEASURE_STEPS:
+      jax.block_until_ready(metrics)
+      if self._steps == 1:
+        self._start = time.perf_counter()
+        return 0.0
+      return (time.perf_counter() - self._start) / time_budget_lib.MEASURE_STEPS
+    return 0.0
+
+
+def _plan_message(planner: time_budget_lib.BudgetPlanner, step: int,
+                  step_seconds: float) -> str:
+  """What the budget's plan fixed after `step`, for the console and train.log."""
+  warmup = int(planner.plan[steps_lib.WARMUP])
+  if not planner.decay_steps:
+    message = (f"step {step}: {step_seconds:.2f} s per step; the budget affords about "
+               f"{planner.estimated_total(step, step_seconds)} steps: warm-up over {warmup}")
+  else:
+    message = (f"step {step}: the learning rate decays to zero over the {planner.decay_steps} "
+               f"steps the budget leaves (to step {planner.total_steps()}, "
+               f"{step_seconds:.2f} s per step)")
+  logger.info("%s", message)
+  return message
+
+
+def _estimated_total(planner, budget: time_budget_lib.TimeBudget, step: int,
+                     step_seconds: float, num_train_steps: int) -> int:
+  """The steps a budgeted run will reach at `step_seconds` a step (its plan's
+  end once fixed), at most num_train_steps."""
+  if planner is not None:
+    total = planner.estimated_total(step, step_seconds) or num_train_steps
+  else:
+    left = (budget.remaining() - budget.reserve_seconds()) / max(step_seconds, 1e-9)
+    total = step + max(0, int(left))
+  return max(step, min(num_train_steps, total))
 
 
 def _train_summary(window: dict, metrics: dict, seconds: float, steps: int) -> dict[str, float]:
@@ -379,15 +491,35 @@ def _check_finite(loss: float, step: int, ckpt: checkpoints.Checkpointer, workdi
       "set --config.grad_clip_norm, then run again: training resumes from there.")
 
 
-def _average_last_checkpoints(config, workdir: str, ckpt: checkpoints.Checkpointer,
-                              state: dict, mesh) -> tuple[dict, bool]:
-  """(params to evaluate last, whether they are averaged): as the paper did,
-  the average of the last `config.average_last` checkpoints (5 base, 20 big),
-  saved in the workdir; the final state's params when there is nothing to
-  average."""
-  if config.average_last <= 1 or len(ckpt.all_steps()) <= 1:
-    return state["params"], False
-  averaged, averaged_steps = averaging.average_and_save(
-      workdir, state["params"], num=config.average_last, per_process=ckpt.per_process)
-  logger.info("Averaged checkpoints %s", averaged_steps)
-  return parallel.replicate(averaged, mesh), True
+def _final_model(config, workdir: str, ckpt: checkpoints.Checkpointer, state: dict,
+                 step: int, mesh, evaluate: evaluation.Evaluator,
+                 planner: time_budget_lib.BudgetPlanner | None) -> tuple[dict, dict, str]:
+  """(the final parameters, their validation metrics, which they are and why).
+
+  With config.average_last > 1, the average of the last checkpoints (as the
+  paper did: 5 base, 20 big; with a budget's plan, of the decay phase's) is
+  evaluated beside the last step and kept, saved in the workdir, only where
+  validation (BLEU when it is computed, else the loss) says it is no worse
+  (or always, with config.keep_average="always"): decode.py's
+  --checkpoint=auto then takes it; otherwise the last step."""
+  last = evaluate(state["params"], step)
+  steps = ckpt.all_steps()
+  if planner is not None:
+    steps = planner.decay_checkpoints(steps)
+  steps = steps[-config.average_last:] if config.average_last > 1 else []
+  if len(steps) <= 1:
+    return state["params"], last, f"the last step ({step})"
+  averaged = averaging.average_checkpoints(workdir, state["params"], steps=steps)
+  averaged = parallel.replicate(averaged, mesh)
+  candidate = evaluate(averaged, step, averaged=True)
+  metric, better = (("bleu", candidate["bleu"] >= last["bleu"]) if "bleu" in last
+                    else ("loss", candidate["loss"] <= last["loss"]))
+  versus = f"validation {metric} {candidate[metric]:.2f} against {last[metric]:.2f}"
+  if not better and config.get("keep_average", "if_no_worse") != "always":
+    choice = f"the last step ({step}): the average of steps {steps} is worse ({versus})"
+    logger.info("Final model: %s; the average is not kept.", choice)
+    return state["params"], last, choice
+  averaging.save_averaged(workdir, averaged, steps, per_process=ckpt.per_process)
+  choice = f"the average of steps {steps} ({versus} for the last step)"
+  logger.info("Final model: %s, saved in the workdir.", choice)
+  return averaged, candidate, choice

@@ -90,12 +90,21 @@ class _NoProgress:
   def close(self): pass
 
 
-def progress_bar(start: int, total: int, enabled: bool = True):
-  """A tqdm bar over training steps on stderr (a silent stand-in when disabled)."""
+def progress_bar(start: int, total: int, enabled: bool = True, budgeted: bool = False):
+  """A tqdm bar over training steps on stderr (a silent stand-in when disabled).
+  `budgeted` (a time budget): no total until the speed tells how many steps
+  the budget affords (`set_progress_total`)."""
   if not enabled:
     return _NoProgress()
-  return tqdm.tqdm(initial=start, total=total, unit="step", dynamic_ncols=True,
-                   file=sys.stderr, desc="train")
+  return tqdm.tqdm(initial=start, total=None if budgeted else total, unit="step",
+                   dynamic_ncols=True, file=sys.stderr, desc="train")
+
+
+def set_progress_total(progress, total: int) -> None:
+  """Makes `total` steps the bar's end (an estimate that the run refines)."""
+  if isinstance(progress, tqdm.tqdm) and progress.total != total:
+    progress.total = total
+    progress.refresh()
 
 
 def format_eval(step: int, summary: dict) -> str:

@@ -25,7 +25,7 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
   `translation.Translator` holding the final, averaged when there is one,
   parameters), writes the translations to TEST_TRANSLATIONS_FILE and returns
   `metrics.translation_scores` against the targets, with the number of
-  sentences and the seconds the translation took. With several processes
+  sentences, the seconds the translation took and those it compiled. With several processes
   each translates its share of the batches (`multihost.split_across_processes`), and every
   process scores them all and writes them to its workdir."""
   sources = [source for source, _ in pairs]
@@ -39,7 +39,8 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
   path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
   multihost.write_file(path, "".join(line + "\n" for line in hypotheses))
   scores = metrics_lib.translation_scores(hypotheses, references)
-  scores.update(sentences=float(len(pairs)), seconds=seconds)
+  scores.update(sentences=float(len(pairs)), seconds=seconds,
+                compile_seconds=float(translator.last_stats.get("compile_seconds", 0.0)))
   return scores
 
 

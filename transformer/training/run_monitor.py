@@ -49,7 +49,7 @@ class RunMonitor:
   def after_log(self, step: int, summary: dict) -> list[str]:
     """The warnings this logging window raises (each at most once per run)."""
     found = [self.stall.check(step, summary["nll"])]
-    if not self._warned_warmup:
+    if not self._warned_warmup and self.config.get("lr_schedule", "paper") == "paper":
       found.append(time_budget_lib.warmup_warning(
           self.config.warmup_steps, step, summary["steps_per_second"], self.budget))
       self._warned_warmup = found[-1] is not None

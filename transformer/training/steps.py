@@ -35,6 +35,36 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0):
   return schedule
 
 
+# The budget schedule's plan in the train state (`state["schedule"]`, int32 [3]),
+# fixed by the training loop as the run's speed becomes known (time_budget.py):
+# [warm-up steps, the step the decay starts at, decay steps]; 0 = not known yet.
+WARMUP, DECAY_START, DECAY_STEPS = 0, 1, 2
+
+
+def budget_learning_rate(step, plan, peak: float):
+  """The learning rate of update `step` (0-based) under a budget's plan: a
+  linear warm-up over plan[WARMUP] updates, `peak` until plan[DECAY_START],
+  then a linear decay reaching 0 after plan[DECAY_STEPS] more (warm-up,
+  stable, decay: the shape whose length is chosen late, when the decay starts;
+  see time_budget.BudgetPlanner). 0 until the warm-up's length is known (the
+  first, compiling, update)."""
+  step = jnp.asarray(step, jnp.float32)
+  plan = jnp.asarray(plan, jnp.float32)
+  warmup = jnp.where(plan[WARMUP] > 0, (step + 1.0) / jnp.maximum(plan[WARMUP], 1.0), 0.0)
+  decay_end = plan[DECAY_START] + plan[DECAY_STEPS]
+  decay = jnp.where(plan[DECAY_STEPS] > 0,
+                    (decay_end - step) / jnp.maximum(plan[DECAY_STEPS], 1.0), 1.0)
+  return peak * jnp.clip(jnp.minimum(warmup, decay), 0.0, 1.0)
+
+
+def learning_rate(schedule, state: dict):
+  """The learning rate of `state`'s next update: the paper's schedule of the
+  step, or with a budget's plan in the state, `budget_learning_rate`."""
+  if "schedule" in state:
+    return schedule(state["step"], state["schedule"])
+  return schedule(state["step"])
+
+
 def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array,
                        label_smoothing: float) -> dict[str, jax.Array]:
   """Label-smoothed cross entropy (Section 5.4), without a one-hot matrix.
@@ -72,10 +102,22 @@ def cross_entropy_sums(logits: jax.Array, targets: jax.Array, weights: jax.Array
           "correct": jnp.sum(correct * weights), "weight": jnp.sum(weights)}
 
 
+SCHEDULES = ("paper", "budget")
+
+
 def make_optimizer(config: ml_collections.ConfigDict, d_model: int):
-  """Adam with the paper's betas/epsilon and warm-up schedule (+ optional clipping)."""
-  schedule = learning_rate_schedule(d_model, config.warmup_steps, config.learning_rate_scale)
-  adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  """(optimizer, schedule): Adam with the paper's betas/epsilon (+ optional
+  clipping) and config.lr_schedule: "paper", its warm-up schedule of the step
+  (inside the optimizer), or "budget", `budget_learning_rate` with peak
+  config.learning_rate, whose plan is in the train state: the optimizer is
+  then Adam's direction alone and `train_step` scales it by the rate."""
+  if config.get("lr_schedule", "paper") == "budget":
+    peak = float(config.learning_rate)
+    schedule = lambda step, plan: budget_learning_rate(step, plan, peak)
+    adam = optax.scale_by_adam(b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
+  else:
+    schedule = learning_rate_schedule(d_model, config.warmup_steps, config.learning_rate_scale)
+    adam = optax.adam(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps)
   if config.get("grad_clip_norm", 0.0):
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam), schedule
   return adam, schedule
@@ -91,12 +133,21 @@ def create_train_state(model_config: TransformerConfig, optimizer, seed: int) ->
           "opt_state": optimizer.init(params), "rng": dropout_rng}
 
 
+def with_budget_plan(state: dict) -> dict:
+  """`state` with an unknown budget plan (`budget_learning_rate`), for
+  config.lr_schedule="budget": it is saved and restored with the state, so a
+  resumed run follows the plan its first run fixed."""
+  return dict(state, schedule=jnp.zeros(3, jnp.int32))
+
+
 def init_train_state(config: ml_collections.ConfigDict, model_config: TransformerConfig,
                      optimizer, mesh) -> tuple[dict, dict]:
   """(the initial train state on the mesh, its shardings): replicated, or with
   `config.state_sharding="fsdp"` every large array split over the devices
   (`parallel.state_shardings`); created in place, never whole on one device."""
-  create = lambda: create_train_state(model_config, optimizer, config.seed)
+  def create():
+    state = create_train_state(model_config, optimizer, config.seed)
+    return with_budget_plan(state) if config.get("lr_schedule") == "budget" else state
   shardings = parallel.state_shardings(
       jax.eval_shape(create), mesh, config.get("state_sharding", "replicated"))
   return jax.jit(create, out_shardings=shardings)(), shardings
@@ -154,9 +205,11 @@ def train_step(state: dict, batch: dict, *, model_config: TransformerConfig,
     )(state["params"], batch, step_rng)
 
   updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+  rate = learning_rate(schedule, state)
+  if "schedule" in state:  # (a budget: the optimizer gave Adam's direction alone)
+    updates = jax.tree.map(lambda u: -rate * u, updates)
   params = optax.apply_updates(state["params"], updates)
-  metrics = dict(sums, grad_norm=optax.global_norm(grads),
-                 learning_rate=schedule(state["step"]))
+  metrics = dict(sums, grad_norm=optax.global_norm(grads), learning_rate=rate)
   new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state)
   return new_state, metrics
 

@@ -4,37 +4,55 @@
 training steps, and after them the last checkpoint, the averaging of the last
 checkpoints and the final evaluation (with a test split, its translation).
 The loop therefore stops early enough to leave time for that end, which it
-estimates from what it has measured in this run (`reserve_seconds`):
+estimates from what it has measured in this run (`TimeBudget.reserve_seconds`):
 
-  * the last checkpoint save (the step waits for it to be committed);
-  * the final evaluation: the last periodic evaluation's duration, plus the
-    test split's translation at the measured seconds per translated sentence,
-    times BEAM_COST for beam search (4 hypotheses cost ~3 greedy decodes on
-    a CPU, measured with benchmarks/bench_decode.py: S 70.5 vs 21.9 sentences/s);
+  * the last checkpoint save (the step waits for it to be committed), and
+    reading back the checkpoints to average (each about a save);
+  * the final evaluation (twice when an average is compared with the last
+    checkpoint): the loss part as the last periodic evaluation measured it,
+    the translation as the validation references' tokens at the measured
+    seconds per generated token (an early model's long outputs would
+    otherwise make the end look far dearer than it is);
+  * the test split's translation: its references' tokens at that speed,
+    times BEAM_COST for beam search, plus the compilation of its decoders:
+    the evaluation's measured compile seconds times BEAM_COMPILE_COST;
   * before anything was measured, a guess: EARLY_RESERVE of the budget.
 
 The budget counts across resumptions: every checkpoint records the seconds
 spent up to it (`SPENT_KEY` in its metadata), and a resumed run starts from
 there. A run whose budget is spent goes straight to its final evaluation.
 
-The learning-rate schedule needs no change: the paper's (a linear warm-up,
-then the inverse square root of the step) does not depend on the number of
-steps, so a run stopped by the clock has followed exactly the schedule a run
-stopped at that step count would have; averaging the last checkpoints then
-plays the part a final decay plays in other schedules. What a budget can get
-wrong is a warm-up longer than the run: `warmup_warning` says so once the
-speed is known.
+The paper's schedule (config.lr_schedule="paper") does not depend on the
+number of steps; a budget run with it only needs a warm-up that ends in time
+(`warmup_warning`). config.lr_schedule="budget" follows the budget instead
+(`BudgetPlanner`): a linear warm-up over config.warmup_fraction of the steps
+the measured speed affords, the peak rate, then a linear decay to zero over
+the last config.decay_fraction of the run, its length fixed when it starts
+(late, when the speed, the evaluation and the end's cost are measured). The
+plan lives in the train state, so a resumed run follows it exactly.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
+import numpy as np
+
+from transformer.training import steps as steps_lib
+
 SPENT_KEY = "train_seconds"   # checkpoint metadata: seconds spent up to that step
 EARLY_RESERVE = 0.1           # share of the budget kept for the end before any measurement
-BEAM_COST = 3.5               # seconds of a beam-4 sentence / seconds of a greedy one
-MARGIN_SECONDS = 5.0          # for what is not measured (averaging, writing the report)
+# Seconds of a beam-4 token / of a greedy one, both compiled (a CPU:
+# benchmarks/bench_decode.py, shape S, 70.5 vs 21.9 sentences/s).
+BEAM_COST = 3.5
+# Compile seconds of the 1,000 test sentences' beam decoders / of the 200
+# validation sentences' greedy ones: 16.5 / 6.5 s (small_corpus's model on
+# gettext-en-fr, 2-core AVX2 CPU, buckets shared: docs/training.md).
+BEAM_COMPILE_COST = 2.5
+MARGIN_SECONDS = 5.0          # for what is not measured (writing the report, the curves)
+MEASURE_STEPS = 2             # updates timed after the first (compiling) one
 
 
 def decode_cost(method: str) -> float:
@@ -52,17 +70,24 @@ class TimeBudget:
   """
 
   def __init__(self, minutes: float, spent_seconds: float = 0.0, *,
-               num_test_sentences: int = 0, test_cost: float = BEAM_COST,
+               test_tokens: int = 0, eval_tokens: int = 0, test_cost: float = BEAM_COST,
+               test_compile_cost: float = BEAM_COMPILE_COST, final_evaluations: int = 1,
+               checkpoints_to_average: int = 0,
                clock: Callable[[], float] = time.monotonic):
     self.seconds = float(minutes) * 60.0
     self.enabled = self.seconds > 0
     self._clock = clock
     self._start = clock() - float(spent_seconds)
-    self._num_test = num_test_sentences
-    self._test_cost = float(test_cost)  # a test sentence's seconds / an eval sentence's
+    self._test_tokens = test_tokens    # the test references' tokens (EOS included)
+    self._eval_tokens = eval_tokens    # the validation references' (of its BLEU pairs)
+    self._test_cost = float(test_cost)  # a test token's seconds / a validation one's
+    self._test_compile_cost = float(test_compile_cost) if test_tokens else 0.0
+    self.final_evaluations = final_evaluations  # 2: the average against the last step
+    self.checkpoints_to_average = checkpoints_to_average
     self._save_seconds = 0.0
-    self._eval_seconds: float | None = None
-    self._seconds_per_sentence: float | None = None
+    self._loss_seconds: float | None = None  # an evaluation's part besides translating
+    self._compile_seconds = 0.0
+    self._seconds_per_token = 0.0
 
   def spent(self) -> float:
     """Seconds spent so far, earlier runs of the workdir included."""
@@ -72,22 +97,40 @@ class TimeBudget:
     return self.seconds - self.spent()
 
   def measured(self, *, save_seconds: float | None = None, eval_seconds: float | None = None,
-               seconds_per_sentence: float | None = None) -> None:
-    """Records the duration of a checkpoint save, of a periodic evaluation, or
-    the greedy decoding seconds per sentence it measured."""
+               compile_seconds: float = 0.0, translate_seconds: float = 0.0,
+               generated_tokens: int = 0) -> None:
+    """Records the duration of a checkpoint save, or of a periodic evaluation:
+    `eval_seconds` in all, of which its translation took `translate_seconds`
+    (compiling its decoders `compile_seconds` of them) for `generated_tokens`."""
     if save_seconds is not None:
       self._save_seconds = max(self._save_seconds, save_seconds)
-    if eval_seconds is not None:
-      self._eval_seconds = eval_seconds
-    if seconds_per_sentence is not None:
-      self._seconds_per_sentence = seconds_per_sentence
+    if eval_seconds is None:
+      return
+    self._loss_seconds = max(0.0, eval_seconds - translate_seconds)
+    if compile_seconds:  # (the first evaluation's: later ones reuse its decoders)
+      self._compile_seconds = max(self._compile_seconds, compile_seconds)
+    if generated_tokens:
+      self._seconds_per_token = max(0.0, translate_seconds - compile_seconds) / generated_tokens
+
+  @property
+  def evaluated(self) -> bool:
+    """Whether an evaluation was measured (the end's cost is then known)."""
+    return self._loss_seconds is not None
+
+  def eval_seconds(self) -> float:
+    """Seconds of an evaluation with its decoders compiled (0 before one was measured)."""
+    if self._loss_seconds is None:
+      return 0.0
+    return self._loss_seconds + self._eval_tokens * self._seconds_per_token
 
   def reserve_seconds(self) -> float:
     """The estimated seconds the run needs after its last step."""
-    if self._eval_seconds is None:
+    if self._loss_seconds is None:
       return EARLY_RESERVE * self.seconds
-    test = self._num_test * (self._seconds_per_sentence or 0.0) * self._test_cost
-    return self._save_seconds + self._eval_seconds + test + MARGIN_SECONDS
+    test = (self._test_tokens * self._seconds_per_token * self._test_cost
+            + self._compile_seconds * self._test_compile_cost)
+    saves = self._save_seconds * (1 + self.checkpoints_to_average)
+    return saves + self.final_evaluations * self.eval_seconds() + test + MARGIN_SECONDS
 
   def should_stop(self, step_seconds: float) -> bool:
     """Whether one more step of `step_seconds` would eat into the reserve."""
@@ -108,3 +151,129 @@ def warmup_warning(warmup_steps: int, step: int, steps_per_second: float,
           "the learning rate would still be rising for most of the run. Use "
           f"--config.warmup_steps={max(1, int(total) // 8)} (an eighth of the run), or a "
           "longer budget.")
+
+
+class BudgetPlanner:
+  """Fixes a budget run's learning-rate plan (`steps.budget_learning_rate`:
+  [warm-up steps, decay start, decay steps]) as the run's speed becomes known.
+
+  The loop calls `after_step(step, step_seconds)` after every update with the
+  seconds of an update it has measured (0 while none is); a plan that changed
+  is put into the train state. Two decisions, each taken once:
+
+  * the warm-up: once an update has been timed after the first (compiling)
+    one, `warmup_fraction` of the steps the budget then affords;
+  * the decay: once an evaluation has measured the end's cost and the steps
+    left are no more than `decay_fraction` of the run, those steps left
+    (the decay reaches zero on the last step the budget affords).
+
+  A run plans its evaluations in time: one every `eval_minutes`
+  (`should_evaluate`); when the decay is due before any, one is asked for
+  first (`wants_evaluation`). In the decay, checkpoints are
+  saved evenly (`should_save`: `checkpoints_in_decay` of them, the last one
+  included) for the average of the decay phase (`decay_steps`).
+  """
+
+  def __init__(self, budget: TimeBudget, plan, *, warmup_fraction: float,
+               decay_fraction: float, eval_minutes: float = 5.0,
+               checkpoints_in_decay: int = 1):
+    self.budget = budget
+    self.plan = np.array(plan, np.int64).reshape(3)
+    self.warmup_fraction, self.decay_fraction = float(warmup_fraction), float(decay_fraction)
+    self.eval_seconds = float(eval_minutes) * 60.0
+    self.checkpoints_in_decay = max(1, int(checkpoints_in_decay))
+    self.wants_evaluation = False
+    self._done = self._due()  # (a resumed run: the evaluations whose time has passed)
+
+  # -- what the plan says -------------------------------------------------------
+
+  @property
+  def decay_start(self) -> int:
+    return int(self.plan[steps_lib.DECAY_START])
+
+  @property
+  def decay_steps(self) -> int:
+    return int(self.plan[steps_lib.DECAY_STEPS])
+
+  def total_steps(self) -> int | None:
+    """The run's last step, once the decay is planned; else None."""
+    return self.decay_start + self.decay_steps if self.decay_steps else None
+
+  def finished(self, step: int) -> bool:
+    """Whether the decay has reached zero: no update would change the model."""
+    total = self.total_steps()
+    return total is not None and step >= total
+
+  def should_save(self, step: int) -> bool:
+    """A checkpoint at each `checkpoints_in_decay`-th of the decay (its end included)."""
+    if not self.decay_steps or not self.decay_start < step <= self.total_steps():
+      return False
+    every = self.decay_steps / self.checkpoints_in_decay
+    done = step - self.decay_start
+    return done == self.decay_steps or int(done / every) > int((done - 1) / every)
+
+  def decay_checkpoints(self, steps: list[int]) -> list[int]:
+    """Of the checkpoints `steps`, those of the decay phase (after its start)."""
+    if not self.decay_steps:
+      return []
+    return [s for s in steps if s > self.decay_start]
+
+  # -- the decisions ------------------------------------------------------------
+
+  def steps_left(self, step_seconds: float) -> int:
+    """Updates of `step_seconds` the budget affords after what the end of the
+    run and the evaluations still to come need."""
+    if step_seconds <= 0:
+      return 0
+    pending = self._evaluations_to_come() * self.budget.eval_seconds()
+    seconds = self.budget.remaining() - self.budget.reserve_seconds() - pending
+    return max(0, int(seconds / step_seconds))
+
+  def estimated_total(self, step: int, step_seconds: float) -> int | None:
+    """The planned last step, or the estimate of it; None before a measurement."""
+    if self.total_steps() is not None:
+      return self.total_steps()
+    return step + self.steps_left(step_seconds) if step_seconds > 0 else None
+
+  def after_step(self, step: int, step_seconds: float) -> bool:
+    """Takes the decision that is due after update `step`; returns whether the plan changed."""
+    if step_seconds <= 0 or self.decay_steps:
+      return False
+    left = self.steps_left(step_seconds)
+    if not self.plan[steps_lib.WARMUP]:
+      self.plan[steps_lib.WARMUP] = max(1, round(self.warmup_fraction * (step + left)))
+      return True
+    if left > self.decay_fraction * (step + left):
+      return False
+    if not self.budget.evaluated:  # (the end's cost is a guess until then)
+      self.wants_evaluation = True
+      return False
+    self.plan[steps_lib.DECAY_START] = step
+    self.plan[steps_lib.DECAY_STEPS] = max(1, left)
+    return True
+
+  def should_evaluate(self, step: int) -> bool:
+    """Whether a periodic evaluation is due: every `eval_minutes` of the
+    budget (none in the decay's last step), or when the decay needs one."""
+    if self.wants_evaluation:
+      self.wants_evaluation = False
+      self._done = self._due()
+      return True
+    due = self._due()
+    if due > self._done and not self.finished(step + 1):
+      self._done = due
+      return True
+    return False
+
+  def _due(self) -> int:
+    """How many of the planned evaluations' times have passed."""
+    if not self.budget.enabled or self.eval_seconds <= 0:
+      return 0
+    return int(self.budget.spent() / self.eval_seconds)
+
+  def _evaluations_to_come(self) -> int:
+    """Planned evaluations whose time has not come, before the end's reserve."""
+    if not self.budget.enabled or self.eval_seconds <= 0:
+      return 0
+    end = self.budget.seconds - self.budget.reserve_seconds()
+    return max(0, math.ceil(end / self.eval_seconds) - 1 - self._done)
