@@ -136,8 +136,12 @@ def test_planner_decays_over_the_steps_left_once_an_evaluation_measured_the_end(
   planner = make_planner(clock)
   planner.after_step(3, 1.0)                     # warm-up fixed
   budget = planner.budget
-  clock.now = 1000.0 + 410                       # 190 s left, 60 s kept: 130 steps of 1 s
-  # 130 <= 0.3 x (step + 130) from step 304 on; but nothing measured the end yet:
+  clock.now = 1000.0 + 300                       # 300 s left, 60 s kept: 240 steps of 1 s
+  # Nothing measured the end yet: an evaluation is asked for once the steps
+  # left are 2 x 0.3 of the run (240 <= 0.6 x (step + 240) from step 160 on).
+  assert not planner.after_step(150, 1.0) and not planner.wants_evaluation
+  assert not planner.after_step(170, 1.0) and planner.wants_evaluation
+  clock.now = 1000.0 + 410                       # 190 s left: 130 steps, due from step 304
   assert not planner.after_step(330, 1.0) and planner.wants_evaluation
   assert planner.should_evaluate(330) and not planner.wants_evaluation
   budget.measured(save_seconds=1.0, eval_seconds=10.0, translate_seconds=4.0,
