@@ -155,3 +155,21 @@ def test_a_fixed_step_run_decodes_every_row_exactly_that_many_steps(trained, tmp
     _, _, hyps = bench.ct2_run(trained, src_file, tmp_path / "out.txt", batch=4, beam=beam,
                                threads=1, fixed_steps=steps)
     assert len(hyps) == len(sources)
+
+
+def test_the_models_lazy_names_are_listed_by_dir():
+  """transformer.model hands on model/transformer.py's names on first use
+  (`__getattr__`, so that importing the package does not import flax); its
+  `__dir__` lists them too, so that dir(), completion and tools that look
+  names up (as this file's `from transformer.model import init_params` does)
+  find them, and listing them imports nothing."""
+  import transformer.model as model
+  listed = dir(model)
+  assert set(model.__all__) <= set(listed), sorted(set(model.__all__) - set(listed))
+  assert all(getattr(model, name) is not None for name in model.__all__)
+  check = ("import sys, transformer.model as m; names = dir(m); "
+           "assert 'Transformer' in names and 'init_params' in names, names; "
+           "assert 'flax' not in sys.modules, 'dir() imported flax'")
+  result = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]

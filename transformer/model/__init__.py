@@ -20,3 +20,9 @@ def __getattr__(name):
     from transformer.model import transformer as module
     return getattr(module, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  """The module's names and those `__getattr__` hands on (without importing
+  them), so that `dir()`, completion and tools that look names up see them."""
+  return sorted(set(globals()) | set(__all__))
