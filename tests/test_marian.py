@@ -54,10 +54,11 @@ def _spm(sentences, path: Path) -> list[str]:
           if not (sp.is_control(i) or sp.is_unknown(i))]
 
 
-def _random_weights(rng, pieces, *, pre_norm=False, shared=True, tied=True, layers=(2, 2)):
+def _random_weights(rng, pieces, *, pre_norm=False, shared=True, tied=True, layers=(2, 2),
+                    d_model=D_MODEL, d_ff=D_FF):
   """Marian-NMT's parameter names and shapes, random values (no constant
   scale, bias or logits bias, which a wrong mapping could leave unnoticed)."""
-  d, f, v = D_MODEL, D_FF, len(pieces)
+  d, f, v = d_model, d_ff, len(pieces)
   w = {}
 
   def mat(*shape, scale=0.25):
@@ -131,17 +132,21 @@ def write_release(directory: Path, seed=0, *, pre_norm=False, shared=True, tied=
   return directory, weights, pieces
 
 
-def write_hf(directory: Path, weights: dict, pieces: list[str], release: Path) -> Path:
+def write_hf(directory: Path, weights: dict, pieces: list[str], release: Path, *,
+             layers=(2, 2), heads=HEADS, pad_row=None, pad_bias=0.0) -> Path:
   """The same model as Hugging Face's conversion writes it: torch `[out, in]`
-  matrices, `<pad>` appended as the last id (a zero row, a zero logits bias)."""
+  matrices, `<pad>` appended as the last id (the decoder's start): a zero row
+  and a zero logits bias, or `pad_row` `[d_model]` and `pad_bias`, as a model
+  trained in transformers has them."""
   directory.mkdir(parents=True)
+  d_model, d_ff = weights["encoder_l1_ffn_W1"].shape
   t = {}
 
-  def pad_row(x):
-    return np.concatenate([x, np.zeros((1,) + x.shape[1:], x.dtype)])
+  def with_pad(x, row):
+    return np.concatenate([x, np.reshape(row, (1,) + x.shape[1:]).astype(x.dtype)])
 
-  for side in ("encoder", "decoder"):
-    for i in range(2):
+  for side, count in zip(("encoder", "decoder"), layers):
+    for i in range(count):
       hf, m = f"model.{side}.layers.{i}", f"{side}_l{i + 1}"
       for hf_attn, m_attn in [("self_attn", "self")] + (
           [("encoder_attn", "context")] if side == "decoder" else []):
@@ -156,16 +161,18 @@ def write_hf(directory: Path, weights: dict, pieces: list[str], release: Path) -
       t[f"{hf}.final_layer_norm.weight"] = weights[f"{m}_ffn_ffn_ln_scale"][0]
       t[f"{hf}.final_layer_norm.bias"] = weights[f"{m}_ffn_ffn_ln_bias"][0]
     t[f"model.{side}.embed_positions.weight"] = marian_formats.marian_position_table(
-        512, D_MODEL).astype(np.float32)
-  t["model.shared.weight"] = pad_row(weights["Wemb"])
-  t["final_logits_bias"] = pad_row(weights["decoder_ff_logit_out_b"][0])[None]
+        512, d_model).astype(np.float32)
+  t["model.shared.weight"] = with_pad(weights["Wemb"], np.zeros(d_model) if pad_row is None
+                                      else pad_row)
+  t["final_logits_bias"] = with_pad(weights["decoder_ff_logit_out_b"][0], pad_bias)[None]
   safetensors_numpy.save_file(t, str(directory / "model.safetensors"))
   vocab = {p: i for i, p in enumerate(pieces + ["<pad>"])}
   (directory / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
   (directory / "config.json").write_text(json.dumps({
-      "model_type": "marian", "architectures": ["MarianMTModel"], "d_model": D_MODEL,
-      "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": HEADS,
-      "decoder_attention_heads": HEADS, "encoder_ffn_dim": D_FF, "decoder_ffn_dim": D_FF,
+      "model_type": "marian", "architectures": ["MarianMTModel"], "d_model": d_model,
+      "encoder_layers": layers[0], "decoder_layers": layers[1],
+      "encoder_attention_heads": heads, "decoder_attention_heads": heads,
+      "encoder_ffn_dim": d_ff, "decoder_ffn_dim": d_ff,
       "activation_function": "swish", "vocab_size": len(vocab), "pad_token_id": len(pieces),
       "decoder_start_token_id": len(pieces), "eos_token_id": 0, "scale_embedding": True,
       "max_position_embeddings": 512, "share_encoder_decoder_embeddings": True,
@@ -258,7 +265,7 @@ def release(tmp_path_factory):
 def _check_scores(model: marian_formats.MarianModel, ct2_dir, pieces):
   """score_batch of random piece sequences == the imported model's."""
   config = model.config
-  params = marian.params_from_marian(model.weights, config)
+  params = marian.params_from_marian(model.weights, config, model.decoder_start)
   rng = np.random.default_rng(1)
   sources = [list(rng.integers(2, len(pieces), size=n)) for n in (3, 7, 12)]
   targets = [list(rng.integers(2, len(pieces), size=n)) for n in (5, 2, 9)]
@@ -322,19 +329,24 @@ def test_the_hugging_face_format_gives_the_same_model(release, tmp_path):
   hf = marian_formats.read_hf_directory(str(write_hf(tmp_path / "hf", weights, pieces, directory)))
   npz = marian_formats.read_marian_release(str(directory))
   assert hf.config == npz.config and hf.pieces == npz.pieces
-  for a, b in zip(jax.tree.leaves(marian.params_from_marian(hf.weights, hf.config)),
-                  jax.tree.leaves(marian.params_from_marian(npz.weights, npz.config))):
+  # Hugging Face's conversion appends a zero <pad> row: the start Marian-NMT has.
+  assert not hf.decoder_start.any() and not npz.decoder_start.any()
+  for a, b in zip(jax.tree.leaves(marian.params_from_marian(hf.weights, hf.config,
+                                                            hf.decoder_start)),
+                  jax.tree.leaves(marian.params_from_marian(npz.weights, npz.config,
+                                                            npz.decoder_start))):
     np.testing.assert_array_equal(a, b)
   _check_scores(hf, ct2, pieces)
 
 
 def test_the_import_of_a_trained_model_is_that_model(trained_release):
   """Written out under Marian's names and read back: every parameter is the
-  fixture's, but for the rows of PAD and BOS (zero: Marian has none) and the
-  logits bias (-1e9 on PAD and BOS, else the fixture's none: 0)."""
+  fixture's, but for the rows of PAD and BOS (zero: Marian has none, and
+  Marian-NMT starts the decoder from a zero vector) and the logits bias
+  (NEVER on PAD and BOS, else the fixture's none: 0)."""
   directory, _, params = trained_release
   model = marian_formats.read_marian_release(str(directory))
-  imported = marian.params_from_marian(model.weights, model.config)
+  imported = marian.params_from_marian(model.weights, model.config, model.decoder_start)
   embedding = imported["embeddings"]["embedding"]["embedding"]
   fixture_embedding = params["embeddings"]["embedding"]["embedding"]
   np.testing.assert_array_equal(embedding[[1, 3, 4, 399]], fixture_embedding[[1, 3, 4, 399]])
@@ -452,3 +464,265 @@ def test_fine_tuning_starts_from_the_imported_model(release, tmp_path):
   for a, b in zip(jax.tree.leaves(averaging.load_params(str(tuned), target, 2)),
                   jax.tree.leaves(averaging.load_params(imported, target, "averaged"))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------
+# The decoder's start row: transformers starts from the embedding of <pad>
+# ----------------------------------------------------------------------------
+
+TRANSFORMERS_FIXTURE = REPO.parent / "shared" / "fixtures" / "marian-transformers"
+
+
+@pytest.mark.parametrize("copy", ["zero", "raw"])
+def test_a_model_transformers_trained_translates_as_transformers_does(copy, tmp_path,
+                                                                   compilation_cache):
+  """The shared fixture (its README): a MarianMTModel that transformers built,
+  trained and saved, its <pad> row (the decoder's start) zeroed (`zero`) or as
+  training left it (`raw`), beside transformers' own greedy translations
+  (max_new_tokens=24, <pad> banned). Imported, and decoded as `decode.py
+  --method=greedy --max_len=24` decodes: every line is transformers' line,
+  every line that ends has its log-prob. (The raw copy gave 0 of 63 lines
+  while the import started the decoder from a zero row.)"""
+  if not TRANSFORMERS_FIXTURE.is_dir():
+    pytest.skip(f"{TRANSFORMERS_FIXTURE} is missing: the shared fixtures sit beside the "
+                "checkout (../shared), as in CI")
+  import transformer
+  folder = TRANSFORMERS_FIXTURE / copy
+  lines = (TRANSFORMERS_FIXTURE / "in.txt").read_text(encoding="utf-8").split("\n")[:-1]
+  expected = [json.loads(line) for line in
+              (folder / "hf.jsonl").read_text(encoding="utf-8").splitlines()]
+  assert [e["source"] for e in expected] == lines
+  tensors = safetensors_numpy.load_file(str(folder / "hf" / "model.safetensors"))
+  assert tensors["model.shared.weight"][-1].any() == (copy == "raw")  # (the premise)
+  workdir = marian.import_model(str(folder / "hf"), str(tmp_path / "imported"))
+  with jax.default_matmul_precision("highest"):
+    ours = [h[0] for h in transformer.load_translator(workdir).translate_hypotheses(
+        lines, method="greedy", max_len=24)]
+  assert [h.text for h in ours] == [e["text"] for e in expected]
+  assert [h.length for h in ours] == [e["length"] for e in expected]
+  ended = [(h.log_prob, e["log_prob"]) for h, e in zip(ours, expected) if e["ended"]]
+  assert len(ended) >= 20
+  np.testing.assert_allclose(*zip(*ended), rtol=0, atol=1e-3)
+
+
+def _np_layer_norm(x, t, name):
+  """torch's LayerNorm (eps 1e-5) of `x` `[length, d]` with tensors `name`.*."""
+  centered = x - x.mean(-1, keepdims=True)
+  return (centered / np.sqrt((centered ** 2).mean(-1, keepdims=True) + 1e-5)
+          * t[f"{name}.weight"] + t[f"{name}.bias"])
+
+
+def _np_linear(x, t, name):
+  return x @ t[f"{name}.weight"].T + t[f"{name}.bias"]  # torch's [out, in]
+
+
+def _np_attention(x, memory, t, name, heads, causal):
+  """transformers' MarianAttention, one sentence: queries from `x` `[q, d]`,
+  keys and values from `memory` `[k, d]` -> `[q, d]`."""
+  length, d = x.shape
+  head_dim = d // heads
+
+  def split(h):  # [n, d] -> [heads, n, head_dim]
+    return h.reshape(len(h), heads, head_dim).transpose(1, 0, 2)
+
+  q = split(_np_linear(x, t, f"{name}.q_proj") * head_dim ** -0.5)
+  k, v = split(_np_linear(memory, t, f"{name}.k_proj")), split(_np_linear(memory, t,
+                                                                          f"{name}.v_proj"))
+  scores = q @ k.transpose(0, 2, 1)
+  if causal:
+    scores = np.where(np.tril(np.ones((length, len(memory)), bool)), scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  return _np_linear((weights @ v).transpose(1, 0, 2).reshape(length, d), t,
+                    f"{name}.out_proj")
+
+
+def _np_marian_log_probs(t, hf_config, source, decoder_inputs):
+  """transformers' MarianMTModel in float64 numpy, from its own tensors `t`
+  and config.json, for one sentence of Marian's ids: `source` (with </s>),
+  `decoder_inputs` (decoder_start_token_id first) -> log-softmax `[len(
+  decoder_inputs), vocab]`, <pad> banned (-inf) as generate's bad_words_ids
+  ban it. Post-LN, swish, one embedding (x sqrt(d_model)) for both sides and
+  the output, Marian's positions (sines, then cosines) from 0."""
+  table = t["model.shared.weight"]
+  d, heads = table.shape[1], hf_config["encoder_attention_heads"]
+
+  def embed(ids):
+    angles = np.arange(len(ids))[:, None] / 10000.0 ** (2 * np.arange(d // 2) / d)
+    return table[ids] * np.sqrt(d) + np.concatenate([np.sin(angles), np.cos(angles)], 1)
+
+  def feed_forward(x, layer):
+    inner = _np_linear(x, t, f"{layer}.fc1")
+    swish = inner * 0.5 * (1 + np.tanh(inner / 2))  # x sigmoid(x), without overflow
+    return _np_layer_norm(x + _np_linear(swish, t, f"{layer}.fc2"), t,
+                          f"{layer}.final_layer_norm")
+
+  def sublayer(x, memory, layer, attention, causal):
+    return _np_layer_norm(x + _np_attention(x, memory, t, f"{layer}.{attention}", heads,
+                                            causal), t, f"{layer}.{attention}_layer_norm")
+
+  x = embed(source)
+  for i in range(hf_config["encoder_layers"]):
+    layer = f"model.encoder.layers.{i}"
+    x = feed_forward(sublayer(x, x, layer, "self_attn", False), layer)
+  y = embed(decoder_inputs)
+  for i in range(hf_config["decoder_layers"]):
+    layer = f"model.decoder.layers.{i}"
+    y = sublayer(y, y, layer, "self_attn", True)
+    y = feed_forward(sublayer(y, x, layer, "encoder_attn", False), layer)
+  logits = y @ table.T + t["final_logits_bias"][0]
+  logits[:, hf_config["pad_token_id"]] = -np.inf
+  top = logits.max(-1, keepdims=True)
+  return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def _np_greedy(t, hf_config, source, max_len):
+  """Greedy search with `_np_marian_log_probs` from decoder_start_token_id, as
+  transformers' generate(num_beams=1): -> (Marian ids, </s> included if
+  reached within `max_len`; their log-prob)."""
+  out, log_prob = [], 0.0
+  while len(out) < max_len and (not out or out[-1] != hf_config["eos_token_id"]):
+    step = _np_marian_log_probs(t, hf_config, source,
+                                [hf_config["decoder_start_token_id"]] + out)[-1]
+    out.append(int(np.argmax(step)))
+    log_prob += step[out[-1]]
+  return out, log_prob
+
+
+@pytest.fixture(scope="module")
+def started(release, tmp_path_factory, compilation_cache):
+  """A random transformers-format model of another size than the others
+  (d_model 24, 3 heads, FFN 40, 1 + 3 layers) whose <pad> row, transformers'
+  decoder start, is not zero (and whose <pad> logits bias is large, as
+  nothing has to keep it small where <pad> is banned), imported. -> (its
+  directory, its tensors in float64, its config.json, the Translator of the
+  imported workdir, the workdir)."""
+  import transformer
+  directory, _, pieces, _ = release
+  rng = np.random.default_rng(11)
+  weights = _random_weights(rng, pieces, layers=(1, 3), d_model=24, d_ff=40)
+  weights["decoder_ff_logit_out_b"][0, 0] -= 2.0  # some lines end, others run to max_len
+  root = tmp_path_factory.mktemp("started")
+  hf = write_hf(root / "hf", weights, pieces, directory, layers=(1, 3), heads=3,
+                pad_row=rng.normal(0.0, 0.5, 24), pad_bias=3.0)
+  tensors = {name: np.asarray(x, np.float64) for name, x in
+             safetensors_numpy.load_file(str(hf / "model.safetensors")).items()}
+  hf_config = json.loads((hf / "config.json").read_text())
+  workdir = marian.import_model(str(hf), str(root / "imported"))
+  return hf, tensors, hf_config, transformer.load_translator(workdir), workdir
+
+
+def test_teacher_forcing_starts_from_the_start_row(started):
+  """Each position's log-softmax over Marian's ids, teacher-forced, is that of
+  the float64 numpy MarianMTModel fed its <pad> row first; PAD and BOS stay
+  below NEVER (never predicted, as <pad> is banned there)."""
+  from transformer.model import Transformer
+  _, t, hf_config, translator, _ = started
+  config, vocab = translator.config, hf_config["vocab_size"] - 1  # Marian's ids, no <pad>
+  rng = np.random.default_rng(2)
+  sources = [list(rng.integers(2, vocab, size=n)) + [0] for n in (3, 7, 12)]
+  targets = [list(rng.integers(2, vocab, size=n)) for n in (5, 2, 9)]
+  inputs = np.zeros((3, 13), np.int32)   # this project's ids, PAD 0 after each row
+  decoder_inputs = np.zeros((3, 10), np.int32)
+  for row, (source, target) in enumerate(zip(sources, targets)):
+    inputs[row, :len(source)] = marian_tokenizer.marian_to_ours(np.asarray(source))
+    decoder_inputs[row, :len(target) + 1] = [config.bos_id] + list(
+        marian_tokenizer.marian_to_ours(np.asarray(target)))
+  with jax.default_matmul_precision("highest"):
+    logits = np.asarray(jax.jit(Transformer(config).apply)(
+        {"params": translator.params}, inputs, decoder_inputs))
+  assert (logits[..., [config.pad_id, config.bos_id]] <= marian.NEVER).all()
+  ours = np.asarray(jax.nn.log_softmax(logits), np.float64)
+  columns = marian_tokenizer.marian_to_ours(np.arange(vocab))
+  for row, (source, target) in enumerate(zip(sources, targets)):
+    expected = _np_marian_log_probs(t, hf_config, source,
+                                    [hf_config["decoder_start_token_id"]] + target)
+    np.testing.assert_allclose(ours[row, :len(target) + 1][:, columns], expected[:, :vocab],
+                               rtol=1e-5, atol=1e-4)
+
+
+def _started_sentences(hf: Path):
+  """Real sentences, and their source ids as transformers' MarianTokenizer
+  makes them: source.spm's pieces through vocab.json, <unk> 1 for the rest, </s>."""
+  sp = spm.SentencePieceProcessor(model_file=str(hf / "source.spm"))
+  vocab = json.loads((hf / "vocab.json").read_text(encoding="utf-8"))
+  sentences = [s for s in SENTENCES if s]
+  return sentences, [[vocab.get(p, 1) for p in sp.encode(s, out_type=str)] + [0]
+                     for s in sentences]
+
+
+def _np_translations(started, max_len):
+  """`_np_greedy`'s (text, log_prob, length) of each of `_started_sentences`."""
+  hf, t, hf_config, _, _ = started
+  pieces = [p for p, _ in sorted(json.loads((hf / "vocab.json").read_text(
+      encoding="utf-8")).items(), key=lambda item: item[1])]
+  target = spm.SentencePieceProcessor(model_file=str(hf / "target.spm"))
+  out = []
+  for source in _started_sentences(hf)[1]:
+    ids, log_prob = _np_greedy(t, hf_config, source, max_len)
+    text = target.decode_pieces([pieces[i] for i in ids if i != hf_config["eos_token_id"]])
+    out.append((text, log_prob, len(ids)))
+  return out
+
+
+def test_incremental_decoding_starts_from_the_start_row(started):
+  """Greedy decoding (the cached, one-position-per-step path) translates as
+  the float64 numpy MarianMTModel does from its <pad> row: the same texts,
+  lengths and log-probs."""
+  hf, _, _, translator, _ = started
+  expected = _np_translations(started, max_len=20)
+  assert len({text for text, _, _ in expected}) > 3  # (not one loop for all)
+  with jax.default_matmul_precision("highest"):
+    ours = [h[0] for h in translator.translate_hypotheses(_started_sentences(hf)[0],
+                                                          method="greedy", max_len=20)]
+  assert [(h.text, h.length) for h in ours] == [(text, n) for text, _, n in expected]
+  np.testing.assert_allclose([h.log_prob for h in ours], [lp for _, lp, _ in expected],
+                             rtol=0, atol=1e-4)
+
+
+def test_the_ctranslate2_export_starts_from_the_start_row(started, tmp_path):
+  """This project's CTranslate2 export of the imported workdir translates as
+  decode.py's Translator does (greedy), and as the float64 numpy
+  MarianMTModel does from its <pad> row: the export carries the start row."""
+  from transformer.interop import ctranslate2_export
+  hf, _, _, translator, workdir = started
+  sentences = _started_sentences(hf)[0]
+  out = ctranslate2_export.export_workdir(workdir, str(tmp_path / "ct2"))
+  source = spm.SentencePieceProcessor(model_file=str(Path(out) / "source.spm"))
+  target = spm.SentencePieceProcessor(model_file=str(Path(out) / "target.spm"))
+  results = ctranslate2.Translator(out, intra_threads=1).translate_batch(
+      [source.encode(s, out_type=str) for s in sentences], beam_size=1,
+      max_decoding_length=20, min_decoding_length=0, return_scores=True)
+  theirs = [target.decode_pieces(r.hypotheses[0]) for r in results]
+  with jax.default_matmul_precision("highest"):
+    ours = [h[0] for h in translator.translate_hypotheses(sentences, method="greedy",
+                                                          max_len=20)]
+  assert theirs == [h.text for h in ours] == [text for text, _, _ in
+                                              _np_translations(started, max_len=20)]
+  # Its greedy score is log p / length (EOS counted), float32 sums in another order.
+  np.testing.assert_allclose([r.scores[0] for r in results],
+                             [h.log_prob / h.length for h in ours], rtol=0, atol=2e-4)
+
+
+def test_a_start_row_cannot_lift_bos_above_never(started):
+  """BOS's logit is y . (its row) + its bias, and its row (tied output) is
+  the start row: whatever the decoder's output y, a LayerNorm's, the logit
+  stays <= NEVER. The y that makes it largest, built here, reaches the bound
+  within float rounding, so the bias is lowered by no more than it must be."""
+  hf, _, _, _, _ = started
+  model = marian_formats.read_model(str(hf))
+  params = marian.params_from_marian(model.weights, model.config, model.decoder_start)
+  config = model.config
+  row = params["embeddings"]["embedding"]["embedding"][config.bos_id].astype(np.float64)
+  norm = params["decoder"][f"layers_{config.num_decoder_layers - 1}"]["feed_forward_norm"]
+  scale, bias = (np.asarray(norm["norm"][k], np.float64) for k in ("scale", "bias"))
+  # y = scale * n + bias, n = LayerNorm's normalised x: the x along
+  # scale * row (centred, large so that epsilon does not matter) maximises y . row.
+  x = 1e3 * (scale * row - (scale * row).mean())
+  n = (x - x.mean()) / np.sqrt(x.var() + config.layer_norm_epsilon)
+  highest = (scale * n + bias) @ row + params["decoder"]["logits_bias"][config.bos_id]
+  assert marian.NEVER - 1e-3 < highest <= marian.NEVER + 1e-6
+  for seed in range(100):  # and no other y goes higher
+    n = np.random.default_rng(seed).standard_normal(row.size)
+    n = (n - n.mean()) / n.std()
+    assert (scale * n + bias) @ row + params["decoder"]["logits_bias"][config.bos_id] <= highest

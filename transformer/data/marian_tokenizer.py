@@ -4,17 +4,20 @@ through one shared piece -> id table (Marian's `vocab.yml`, Hugging Face's
 `vocab.json`).
 
 Marian's own ids are `</s>` = 0, `<unk>` = 1, the pieces from 2, and (Hugging
-Face's conversion) `<pad>` = the last id, which is also the decoder's start;
-Marian-NMT itself starts the decoder from a zero vector. On import they are
-moved into this project's layout (`tokenizer.py`: pad 0, eos 1, bos 2, unk 3,
-pieces from 4), the model's embedding rows permuted to match, so that the data
-pipeline, the loss, the search and the exporter see one id layout:
+Face's conversion) `<pad>` = the last id, which is also the decoder's start
+in transformers; Marian-NMT itself starts the decoder from a zero vector. On
+import they are moved into this project's layout (`tokenizer.py`: pad 0, eos
+1, bos 2, unk 3, pieces from 4), the model's embedding rows permuted to
+match, so that the data pipeline, the loss, the search and the exporter see
+one id layout:
 
     Marian id          ->  id here
     </s>  0                1 (EOS)
     <unk> 1                3 (UNK)
     piece k >= 2           k + 2
-    (none)                 0 (PAD) and 2 (BOS): zero embeddings, never predicted
+    (none)                 0 (PAD) and 2 (BOS): never predicted; PAD's embedding
+                           zero, BOS's the decoder's start row (transformers'
+                           <pad> row, or Marian-NMT's zero: interop/marian.py)
 
 `MARIAN_TO_OURS` below is that map. A workdir keeps the whole vocabulary in
 its `vocab.model` as one JSON document (both SentencePiece models, base64, and

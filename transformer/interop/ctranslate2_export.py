@@ -23,7 +23,9 @@ CTranslate2's own sinusoid is not the paper's (sines then cosines), so the
 position table is this model's (`sinusoidal_positional_encoding`), or the
 learned one. Its LayerNorm epsilon is set to the model's. The vocabulary is
 the SentencePiece model's pieces in id order; the source gets its EOS appended
-by CTranslate2 (`add_source_eos`), as `Translator` appends it.
+by CTranslate2 (`add_source_eos`), as `Translator` appends it. The decoder
+starts from BOS (`decoder_start_token`), so from BOS's embedding row, as here:
+an imported transformers model's own start row (its `<pad>` row) travels in it.
 
 Translating with it (tokens are SentencePiece pieces):
 

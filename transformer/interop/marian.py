@@ -35,10 +35,19 @@ CTranslate2's own Marian converter in tests/test_marian.py):
   * Marian's special ids (`</s>` 0, `<unk>` 1, Hugging Face's `<pad>` last and
     also the decoder's start) are moved into this project's (pad 0, eos 1,
     bos 2, unk 3) by permuting the embedding rows (`marian_tokenizer.py`).
-    Marian starts the decoder from a zero vector: BOS's embedding row is zero.
-    PAD and BOS get a logits bias of -50 (NEVER): never predicted, and the
-    softmax is Marian's over its own vocabulary (Hugging Face's model keeps a
-    little probability on `<pad>` and forbids it at generation instead).
+  * The decoder starts from the model's own start row, stored as BOS's
+    embedding row (so training, decoding and the CTranslate2 export all embed
+    it first): for a transformers model its `<pad>` row (transformers starts
+    from `decoder_start_token_id` = `<pad>`; the row is zero only where its
+    converter appended it to a Marian-NMT model, not after training in
+    transformers), for a Marian-NMT release a zero row (it starts from a zero
+    vector).
+  * PAD and BOS get a logits bias of -50 (NEVER), BOS's lowered further by the
+    most its row (the start row, through the tied output) can add
+    (`largest_logit`): never predicted, and the softmax is Marian's over its
+    own vocabulary (Hugging Face's model keeps a little probability on
+    `<pad>`, its `final_logits_bias` entry dropped here, and forbids it at
+    generation instead).
   * The two SentencePiece models (source, target) through one piece table:
     `marian_tokenizer.MarianTokenizer`, stored in the workdir's `vocab.model`.
 
@@ -91,8 +100,15 @@ def residual_permutation(d_model: int) -> np.ndarray:
   return np.stack([half, d_model // 2 + half], axis=-1).reshape(-1)
 
 
-def params_from_marian(weights: dict[str, np.ndarray], config: TransformerConfig) -> dict:
-  """This project's parameter tree (unstacked layers) of Marian `weights`."""
+def params_from_marian(weights: dict[str, np.ndarray], config: TransformerConfig,
+                       decoder_start: np.ndarray | None = None) -> dict:
+  """This project's parameter tree (unstacked layers) of Marian `weights`.
+
+  decoder_start: `[d_model]`, Marian's layout (`MarianModel.decoder_start`):
+    the row the decoder starts from, stored as BOS's row of the target
+    embedding, which both decoder paths (teacher-forced, incremental) and the
+    CTranslate2 export embed first. None: zeros, as Marian-NMT starts.
+  """
   perm = residual_permutation(config.d_model)
   d, h, dk = config.d_model, config.num_heads, config.head_dim
 
@@ -131,9 +147,11 @@ def params_from_marian(weights: dict[str, np.ndarray], config: TransformerConfig
       out["cross_attention_norm"] = norm(f"{prefix}_context_Wo")
     return out
 
-  def embedding(name):  # [marian_vocab, d] -> [vocab here, d], PAD/BOS rows zero
-    return {"embedding": {"embedding": marian_tokenizer.ours_from_marian_rows(
-        get(name)[:, perm], 0.0)}}
+  def embedding(name, start=None):  # [marian_vocab, d] -> [vocab here, d]: PAD's row zero,
+    table = marian_tokenizer.ours_from_marian_rows(get(name)[:, perm], 0.0)
+    if start is not None:            # BOS's the decoder's start row (else zero)
+      table[marian_tokenizer.BOS_ID] = np.asarray(start, np.float32).reshape(-1)[perm]
+    return {"embedding": {"embedding": table}}
 
   encoder = {f"layers_{i}": layer(f"encoder_l{i + 1}", cross=False)
              for i in range(config.num_encoder_layers)}
@@ -145,21 +163,49 @@ def params_from_marian(weights: dict[str, np.ndarray], config: TransformerConfig
                             "bias": vector(f"{side}_top_ln_bias")[perm]}
   params = {"encoder": encoder, "decoder": decoder}
   if config.share_embeddings:
-    params["embeddings"] = embedding("Wemb")
+    params["embeddings"] = target = embedding("Wemb", decoder_start)
   else:
     params["source_embeddings"] = embedding("encoder_Wemb")
-    params["target_embeddings"] = embedding("decoder_Wemb")
+    params["target_embeddings"] = target = embedding("decoder_Wemb", decoder_start)
   vocab = config.vocab_size - 2
   bias = (vector("decoder_ff_logit_out_b") if "decoder_ff_logit_out_b" in weights
           else np.zeros(vocab, np.float32))
+  # Marian's softmax has no PAD or BOS; transformers bans <pad> at generation.
   decoder["logits_bias"] = marian_tokenizer.ours_from_marian_rows(bias, NEVER)
-  if not config.logits_via_embedding:  # Marian's own output matrix, [vocab, d]
+  if config.logits_via_embedding:  # the tied output reads BOS's row too: the start row
+    bos_output_row = target["embedding"]["embedding"][marian_tokenizer.BOS_ID]
+  else:                            # Marian's own output matrix, [vocab, d], BOS's row zero
     projection = marian_tokenizer.ours_from_marian_rows(
         get("decoder_ff_logit_out_Wt")[:, perm], 0.0)
     decoder["output_projection"] = {"kernel": np.ascontiguousarray(projection.T),
                                     "bias": np.zeros(config.vocab_size, np.float32)}
+    bos_output_row = projection[marian_tokenizer.BOS_ID]
+  # A non-zero start row adds y . row to BOS's logit: lowered by the most that
+  # can add, BOS's logit stays <= NEVER whatever the decoder's output y.
+  decoder["logits_bias"][marian_tokenizer.BOS_ID] -= largest_logit(
+      bos_output_row, **_output_norm(decoder, config))
   _check_tree(params, config)
   return params
+
+
+def largest_logit(row: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> float:
+  """The largest y . row `[d_model]` (or 0 if that is negative) over every
+  decoder output y = LayerNorm(x) with this `scale` and `bias` `[d_model]`:
+  y = scale * n + bias, n normalised (mean 0, |n|^2 = d var / (var + eps) < d),
+  so y . row = n . c + bias . row <= sqrt(d) |c| + bias . row, with c = scale *
+  row less its mean (n has none; Cauchy-Schwarz), the supremum (n along c)."""
+  row, scale, bias = (np.asarray(x, np.float64) for x in (row, scale, bias))
+  c = scale * row
+  bound = np.sqrt(row.size) * np.linalg.norm(c - c.mean()) + bias @ row
+  return float(max(bound, 0.0))
+
+
+def _output_norm(decoder: dict, config: TransformerConfig) -> dict:
+  """The LayerNorm whose output the logits read: pre-LN's final one, post-LN's
+  last layer's feed-forward one. -> {"scale", "bias"} `[d_model]`."""
+  if config.normalization == "pre":
+    return decoder["final_norm"]
+  return decoder[f"layers_{config.num_decoder_layers - 1}"]["feed_forward_norm"]["norm"]
 
 
 def _check_tree(params: dict, config: TransformerConfig) -> None:
@@ -183,7 +229,7 @@ def import_model(model: str, workdir: str, *, revision: str | None = None,
   source = read_model(model, revision=revision)
   tokenizer = marian_tokenizer.MarianTokenizer(source.source_spm, source.target_spm,
                                                source.pieces)
-  params = params_from_marian(source.weights, source.config)
+  params = params_from_marian(source.weights, source.config, source.decoder_start)
   _prepare(workdir, force)
   info = {"imported_from": model, "path": source.origin, "revision": revision,
           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),

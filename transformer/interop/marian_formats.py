@@ -34,6 +34,11 @@ class MarianModel:
     (no `<pad>` row).
   config: this project's model config (ids and vocab_size already ours).
   pieces: the vocabulary in Marian's id order (`</s>`, `<unk>`, ...).
+  decoder_start: `[d_model]` float32 in Marian's layout (before the
+    residual permutation, before the sqrt(d_model) scale): the embedding row
+    the decoder starts from. Hugging Face: the row of `decoder_start_token_id`
+    (`<pad>`) in the decoder's embedding, whatever training left there;
+    Marian-NMT: zeros (it starts from a zero vector).
   """
   weights: dict[str, np.ndarray]
   config: TransformerConfig
@@ -41,6 +46,7 @@ class MarianModel:
   source_spm: bytes
   target_spm: bytes
   origin: str
+  decoder_start: np.ndarray
 
 
 class MarianImportError(ValueError):
@@ -126,8 +132,12 @@ def read_hf_directory(path: str) -> MarianModel:
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)))
   tensors = load_file(os.path.join(path, "model.safetensors"))
   weights = _marian_names(tensors, config, share, tied, os.path.join(path, "model.safetensors"))
+  start_id = hf.get("decoder_start_token_id")
+  start = _decoder_start(tensors, share, pad if start_id is None else start_id,
+                         len(pieces) + 1, os.path.join(path, "model.safetensors"))
   return MarianModel(weights, config, pieces, _read(path, "source.spm"),
-                     _read(path, "target.spm"), origin=os.path.abspath(path))
+                     _read(path, "target.spm"), origin=os.path.abspath(path),
+                     decoder_start=start)
 
 
 def _check_hf_files(path: str) -> None:
@@ -193,6 +203,23 @@ def _marian_names(tensors: dict, config: TransformerConfig, share: bool, tied: b
   return out
 
 
+def _decoder_start(tensors: dict, share: bool, start_id: int, vocab_size: int,
+                   where: str) -> np.ndarray:
+  """The decoder's start row `[d_model]`: transformers feeds the embedding of
+  `decoder_start_token_id` (Marian's `<pad>`, the last id) as the decoder's
+  first input. Its conversion of a Marian-NMT model appends a zero `<pad>`
+  row, but a model trained or fine-tuned in transformers has whatever its
+  training left there, so the row is read, not assumed zero."""
+  if not isinstance(start_id, int) or not 0 <= start_id < vocab_size:
+    raise MarianImportError(f"{where}: decoder_start_token_id {start_id!r} is not an id of "
+                            f"the {vocab_size} in vocab.json")
+  name = "model.shared.weight" if share else "model.decoder.embed_tokens.weight"
+  table = tensors.get(name, tensors.get(name.removeprefix("model.")))
+  if table is None:
+    raise MarianImportError(f"{where}: no tensor {name!r}")
+  return np.asarray(table[start_id], np.float32)
+
+
 def _check_positions(tensors: dict, side: str, d_model: int, where: str) -> None:
   """A stored position table must be Marian's sinusoid (not learned positions)."""
   name = f"model.{side}.embed_positions.weight"
@@ -244,8 +271,10 @@ def read_marian_release(path: str) -> MarianModel:
   weights = {name: npz[name] for name in npz.files if not name.startswith("special:")}
   options = _npz_options(npz, model_file)
   config = _config_from_options(options, len(vocabs[0]), weights, model_file)
+  # Marian-NMT starts the decoder from a zero vector (no start token).
   return MarianModel(weights, config, vocabs[0], _read(path, "source.spm"),
-                     _read(path, "target.spm"), origin=os.path.abspath(path))
+                     _read(path, "target.spm"), origin=os.path.abspath(path),
+                     decoder_start=np.zeros(config.d_model, np.float32))
 
 
 def _npz_options(npz, where: str) -> dict:
