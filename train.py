@@ -139,8 +139,11 @@ def main(argv):
     return 1
   ev = result.eval
   stopped = " (stopped by --config.train_minutes)" if result.stopped_by_time else ""
+  budget = f" of a {result.budget_minutes:g}-minute budget" if result.budget_minutes else ""
   print(f"\nTrained {result.step} steps into {result.workdir} in {result.minutes:.1f} "
-        f"minutes{stopped}")
+        f"minutes{budget}{stopped}")
+  if result.final_model:
+    print(f"final model: {result.final_model}")
   if "mfu" in result.train:
     print(f"speed: {result.train['tokens_per_second']:,.0f} target tokens/s, "
           f"MFU {result.train['mfu']:.0%} (last logging window)")

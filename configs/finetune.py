@@ -9,7 +9,8 @@ from OPUS-MT (docs/interop.md) or any workdir train.py wrote.
 The model and the vocabulary are init_from's: config.model holds only the
 fields a fine-tuning run chooses (dropout, dtype, ...). A fresh Adam, a short warm-up to a rate well below a
 training from scratch's, then the paper's inverse-square-root decay; the
-average of the last checkpoints is the final model.
+average of the last checkpoints is the final model where validation says it is
+no worse than the last step (config.keep_average).
 
 Chosen by measurement (docs/interop.md, "Fine-tune it"; benchmarks/bench_finetune.py,
 2026-11-25, 2-core CPU): a small-corpus model trained on general software

@@ -12,20 +12,23 @@ included) and ends with the test split's BLEU / chrF, its translations and
 curves.png in the workdir.
 
 Chosen by measurement on ../shared/corpora/gettext-en-fr (53k English->French
-software messages, 2 CPU cores; docs/training.md, "Your own corpus"):
+software messages, 2 CPU cores; docs/training.md, "Your own corpus"), and
+nothing in it tied to the speed of the machine it was tuned on:
 
   * pre-LN: the paper's post-LN stalled at the unigram level with a short
     warm-up (NLL 6.3 = the targets' unigram entropy for 225 steps); pre-LN
     learns from the first steps, which a 20-minute budget needs.
-  * the FLAX-example-sized model (d_model 256, 4 heads, d_ff 1024, 3 + 3
-    layers) with an 8k unigram SentencePiece vocabulary, batches of 64 rows
-    of 64 tokens (sentences of ~10 tokens are packed ~5 to a row): 1.3
-    steps/s on 2 cores (MFU 85-92%), ~1,500 steps (~9 passes over the data)
-    in 20 min: test BLEU 56.7, chrF 71.1 (a translation memory: 40.8 / 56.1).
-  * a short warm-up (300 steps) to half the paper's rate (peak 1.8e-3): the
-    budget allows ~1,500 steps, so the paper's 4000-step warm-up would never
-    end (train.py warns of that).
-  * the average of the last 5 checkpoints (100 steps apart) as the final model.
+  * the model's width by this machine's measured speed (model_for_budget):
+    the FLAX-example size (d_model 256, 4 heads, d_ff 1024, 3 + 3 layers)
+    where the budget affords it 1,000 steps, else d_model 128 / d_ff 512,
+    which takes ~2.5x the steps on a slow CPU; an 8k unigram SentencePiece
+    vocabulary; batches of 64 rows of 64 tokens (sentences of ~10 tokens are
+    packed ~5 to a row).
+  * the budget's schedule (lr_schedule="budget"): a warm-up over 5% of the
+    steps the measured speed affords, 2e-3, then a linear decay to zero over
+    the last 30%, fixed when it starts (training/time_budget.py).
+  * the average of the decay's last 4 checkpoints, kept only where validation
+    says it is no worse than the last step.
 """
 
 from transformer.configs import default

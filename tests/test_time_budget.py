@@ -303,3 +303,22 @@ def test_model_for_budget_keeps_the_workdirs_model_on_resume(tmp_path):
   resumed = run_setup.model_for_budget(config, str(tmp_path), peak_flops=1e15)
   assert (resumed.model.d_model, resumed.model.d_ff) == (128, 512)
   assert not workdir_lib.check_config(str(tmp_path), resumed.to_dict())
+
+
+def test_a_test_split_that_cannot_fit_is_skipped_rather_than_overrun():
+  clock = FakeClock()
+  budget = time_budget.TimeBudget(1, test_tokens=2000, eval_tokens=100, test_cost=3.5,
+                                  test_compile_cost=3.0, clock=clock)
+  assert budget.test_fits()           # nothing measured: no reason to skip
+  budget.measured(eval_seconds=12.0, translate_seconds=11.0, compile_seconds=10.0,
+                  generated_tokens=100)
+  # 2000 x 0.01 x 3.5 + 10 x 3 = 100 s of test: more than 60 s would allow.
+  assert budget.test_seconds() == pytest.approx(100.0)
+  assert not budget.test_fits()
+  roomy = time_budget.TimeBudget(10, test_tokens=2000, eval_tokens=100, clock=clock)
+  roomy.measured(eval_seconds=12.0, translate_seconds=11.0, compile_seconds=10.0,
+                 generated_tokens=100)
+  clock.now += 600 - 97                # 97 s left (+ 30 s of tolerance) for 100 s of test
+  assert roomy.test_fits()
+  clock.now += 40                      # 57 s left
+  assert not roomy.test_fits()

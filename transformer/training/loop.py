@@ -188,7 +188,13 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   final_params, eval_summary, final_choice = _final_model(
       config, workdir, ckpt, state, step, mesh, evaluate, planner)
   test_summary = {}
-  if test_pairs:
+  if test_pairs and not budget.test_fits():
+    logger.warning(
+        "The test split's translation (about %.0f s) does not fit in the %.0f s the budget "
+        "has left: skipped, so that the run ends within config.train_minutes=%g. Translate it "
+        "with decode.py --workdir=%s, or give the run more minutes.", budget.test_seconds(),
+        max(0.0, budget.remaining()), budget.seconds / 60, workdir)
+  elif test_pairs:
     method = config.get("test_decode_method", "beam")
     test_summary = report.test_report(evaluate.translator(final_params), test_pairs, workdir,
                                       method=method, beam_size=config.eval_beam_size)

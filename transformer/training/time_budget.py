@@ -125,14 +125,25 @@ class TimeBudget:
       return 0.0
     return self._loss_seconds + self._eval_tokens * self._seconds_per_token
 
+  def test_seconds(self) -> float:
+    """The estimated seconds of the test split's translation, compiling included."""
+    return (self._test_tokens * self._seconds_per_token * self._test_cost
+            + self._compile_seconds * self._test_compile_cost)
+
   def reserve_seconds(self) -> float:
     """The estimated seconds the run needs after its last step."""
     if self._loss_seconds is None:
       return EARLY_RESERVE * self.seconds
-    test = (self._test_tokens * self._seconds_per_token * self._test_cost
-            + self._compile_seconds * self._test_compile_cost)
     saves = self._save_seconds * (1 + self.checkpoints_to_average)
-    return saves + self.final_evaluations * self.eval_seconds() + test + MARGIN_SECONDS
+    return (saves + self.final_evaluations * self.eval_seconds() + self.test_seconds()
+            + MARGIN_SECONDS)
+
+  def test_fits(self) -> bool:
+    """Whether the test's translation fits in what is left (give or take a
+    twentieth of the budget): a budget shorter than its own end (a minute on
+    a slow CPU) skips it rather than overrun."""
+    return (not self.enabled or not self.evaluated
+            or self.test_seconds() <= self.remaining() + 0.05 * self.seconds)
 
   def should_stop(self, step_seconds: float) -> bool:
     """Whether one more step of `step_seconds` would eat into the reserve."""
