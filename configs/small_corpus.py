@@ -20,7 +20,8 @@ nothing in it tied to the speed of the machine it was tuned on:
     learns from the first steps, which a 20-minute budget needs.
   * the model's width by this machine's measured speed (model_for_budget):
     the FLAX-example size (d_model 256, 4 heads, d_ff 1024, 3 + 3 layers)
-    where the budget affords it 1,000 steps, else d_model 128 / d_ff 512,
+    where the budget affords it ~700 steps by an estimate from the measured
+    matmul peak, else d_model 128 / d_ff 512,
     which takes ~2.5x the steps on a slow CPU; an 8k unigram SentencePiece
     vocabulary; batches of 64 rows of 64 tokens (sentences of ~10 tokens are
     packed ~5 to a row).

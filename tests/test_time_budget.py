@@ -275,19 +275,19 @@ def small_corpus_config(**overrides):
 def test_model_for_budget_chooses_the_largest_size_that_reaches_enough_steps(tmp_path):
   """small_corpus, 20 minutes: a step of d_model 256 is 192.87 GFLOP (64 x 64
   tokens each side, vocabulary 8000: 3 x (2 x 4096 x (3 x 786,432 + 3 x
-  917,504 + 3 x 131,072 + 256 x 8000) + 64 x 4 x 256 x 9 x 4096)), so 1,000
-  steps in 0.75 x 1200 s at 0.6 of the peak need a peak of 357.2 GFLOP/s."""
-  assert run_setup.MIN_BUDGET_STEPS == 1000 and run_setup.ASSUMED_MFU == 0.6
+  917,504 + 3 x 131,072 + 256 x 8000) + 64 x 4 x 256 x 9 x 4096)), so 700
+  steps in 0.75 x 1200 s at 0.6 of the peak need a peak of 250.0 GFLOP/s."""
+  assert run_setup.MIN_BUDGET_STEPS == 700 and run_setup.ASSUMED_MFU == 0.6
   assert run_setup.TRAINING_SHARE == 0.75
   config = small_corpus_config(train_minutes=20.0)
-  fast = run_setup.model_for_budget(config, str(tmp_path), peak_flops=360e9)
-  slow = run_setup.model_for_budget(config, str(tmp_path), peak_flops=350e9)
+  fast = run_setup.model_for_budget(config, str(tmp_path), peak_flops=251e9)
+  slow = run_setup.model_for_budget(config, str(tmp_path), peak_flops=249e9)
   assert (fast.model.d_model, fast.model.d_ff) == (256, 1024)
   assert (slow.model.d_model, slow.model.d_ff) == (128, 512)
   assert config.model.d_model == 256  # (the caller's config is left as it was)
   # Twice the budget: twice the steps.
   longer = run_setup.model_for_budget(small_corpus_config(train_minutes=40.0), str(tmp_path),
-                                      peak_flops=180e9)
+                                      peak_flops=126e9)
   assert longer.model.d_model == 256
   # No choice without "auto" or without a budget.
   assert run_setup.model_for_budget(small_corpus_config(model_for_budget=""), str(tmp_path),
