@@ -20,7 +20,8 @@ import train_worker  # noqa: E402  (no JAX import)
 
 from transformer.runtime import checkpoints, workdir as workdir_lib  # noqa: E402
 from transformer.training import loop as training  # noqa: E402
-from transformer.training import run_setup, steps as steps_lib, time_budget  # noqa: E402
+from transformer.training import final_model, run_setup, steps as steps_lib  # noqa: E402
+from transformer.training import time_budget  # noqa: E402
 
 
 class FakeClock:
@@ -209,7 +210,7 @@ def test_the_average_is_kept_only_when_validation_says_it_is_no_worse(tmp_path,
     config = train_worker.tiny_config({"average_last": 3, "keep_checkpoints": 5,
                                        "keep_average": keep})
     evaluate = FakeEvaluator(lambda w: (50 - w) if average_is_better else w)
-    params, metrics, choice = training._final_model(
+    params, metrics, choice = final_model.choose(
         config, str(tmp_path), ckpt, state, 4, mesh, evaluate, planner=None)
   assert [averaged for _, averaged in evaluate.calls] == [False, True]
   if average_is_better or keep == "always":

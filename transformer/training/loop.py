@@ -36,7 +36,7 @@ from transformer.model import attention_choice
 from transformer.runtime import (averaging, checkpoints, multihost, parallel, preemption,
                                  run_lock, run_log)
 from transformer.runtime import workdir as workdir_lib
-from transformer.training import evaluation, report, run_monitor, run_setup
+from transformer.training import evaluation, final_model, report, run_monitor, run_setup
 from transformer.training import prepare as prepare_lib
 from transformer.training import steps as steps_lib
 from transformer.training import metrics as metrics_lib
@@ -47,11 +47,6 @@ logger = logging.getLogger(__name__)
 
 class TrainingDiverged(FloatingPointError):
   """The loss became NaN or infinite; the run stopped, checkpoints are untouched."""
-
-
-# ----------------------------------------------------------------------------
-# The loop
-# ----------------------------------------------------------------------------
 
 
 def _stack_micro_batches(it: Iterator[dict], num: int) -> dict[str, np.ndarray]:
@@ -185,7 +180,7 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
                                           enabled=is_main and not quiet,
                                           budgeted=budget.enabled))
 
-  final_params, eval_summary, final_choice = _final_model(
+  final_params, eval_summary, final_choice = final_model.choose(
       config, workdir, ckpt, state, step, mesh, evaluate, planner)
   test_summary = {}
   if test_pairs and not budget.test_fits():
@@ -326,7 +321,7 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
   metrics = None
   budget = monitor.budget
   step_seconds = 0.0  # of the last logging window, per step
-  timer = _FirstStepsTimer() if planner is not None else None
+  timer = time_budget_lib.FirstStepsTimer() if planner is not None else None
 
   def save(force=False):
     _check_finite(float(metrics["loss"]), step, ckpt, workdir)
@@ -357,7 +352,7 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
         if planner.after_step(step, step_seconds):
           state = dict(state, schedule=jax.device_put(planner.plan.astype(np.int32),
                                                       state["schedule"].sharding))
-          progress.write(_plan_message(planner, step, step_seconds))
+          progress.write(time_budget_lib.plan_message(planner, step, step_seconds))
       if planner is not None and planner.finished(step):
         monitor.stopped_by_time = True
         progress.write(f"step {step}: the learning rate's decay has ended (config.train_"
@@ -381,7 +376,7 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
         train_summary.update(mfu=monitor.mfu(train_summary["steps_per_second"]),
                              minutes=budget.spent() / 60)
         if budget.enabled:  # (the bar's total: the steps the budget affords)
-          metrics_lib.set_progress_total(progress, _estimated_total(
+          metrics_lib.set_progress_total(progress, time_budget_lib.estimated_total(
               planner, budget, step, step_seconds, config.num_train_steps))
         writer.write(step, train_summary, prefix="train")
         postfix = dict(loss=f"{train_summary['loss']:.3f}",
@@ -424,52 +419,6 @@ def _train_steps(state: dict, step: int, *, config, workdir: str, step_fn, train
   return state, step, train_summary
 
 
-class _FirstStepsTimer:
-  """Times the updates after a run's first (compiling) one, for the budget's
-  plan: `after_step(metrics)` returns the seconds of an update once
-  MEASURE_STEPS were timed, else 0. Waits for the device twice in all."""
-
-  def __init__(self):
-    self._steps, self._start = 0, 0.0
-
-  def after_step(self, metrics) -> float:
-    self._steps += 1
-    if self._steps == 1 or self._steps == 1 + time_budget_lib.MEASURE_STEPS:
-      jax.block_until_ready(metrics)
-      if self._steps == 1:
-        self._start = time.perf_counter()
-        return 0.0
-      return (time.perf_counter() - self._start) / time_budget_lib.MEASURE_STEPS
-    return 0.0
-
-
-def _plan_message(planner: time_budget_lib.BudgetPlanner, step: int,
-                  step_seconds: float) -> str:
-  """What the budget's plan fixed after `step`, for the console and train.log."""
-  warmup = int(planner.plan[steps_lib.WARMUP])
-  if not planner.decay_steps:
-    message = (f"step {step}: {step_seconds:.2f} s per step; the budget affords about "
-               f"{planner.estimated_total(step, step_seconds)} steps: warm-up over {warmup}")
-  else:
-    message = (f"step {step}: the learning rate decays to zero over the {planner.decay_steps} "
-               f"steps the budget leaves (to step {planner.total_steps()}, "
-               f"{step_seconds:.2f} s per step)")
-  logger.info("%s", message)
-  return message
-
-
-def _estimated_total(planner, budget: time_budget_lib.TimeBudget, step: int,
-                     step_seconds: float, num_train_steps: int) -> int:
-  """The steps a budgeted run will reach at `step_seconds` a step (its plan's
-  end once fixed), at most num_train_steps."""
-  if planner is not None:
-    total = planner.estimated_total(step, step_seconds) or num_train_steps
-  else:
-    left = (budget.remaining() - budget.reserve_seconds()) / max(step_seconds, 1e-9)
-    total = step + max(0, int(left))
-  return max(step, min(num_train_steps, total))
-
-
 def _train_summary(window: dict, metrics: dict, seconds: float, steps: int) -> dict[str, float]:
   """The train metrics of a logging window: per-token averages of its summed
   metrics, the last step's learning rate and gradient norm, and speeds."""
@@ -495,37 +444,3 @@ def _check_finite(loss: float, step: int, ckpt: checkpoints.Checkpointer, workdi
       f"{os.path.join(workdir, checkpoints.CHECKPOINT_DIR)}. Lower the learning rate "
       "(--config.learning_rate_scale), lengthen warm-up (--config.warmup_steps) or "
       "set --config.grad_clip_norm, then run again: training resumes from there.")
-
-
-def _final_model(config, workdir: str, ckpt: checkpoints.Checkpointer, state: dict,
-                 step: int, mesh, evaluate: evaluation.Evaluator,
-                 planner: time_budget_lib.BudgetPlanner | None) -> tuple[dict, dict, str]:
-  """(the final parameters, their validation metrics, which they are and why).
-
-  With config.average_last > 1, the average of the last checkpoints (as the
-  paper did: 5 base, 20 big; with a budget's plan, of the decay phase's) is
-  evaluated beside the last step and kept, saved in the workdir, only where
-  validation (BLEU when it is computed, else the loss) says it is no worse
-  (or always, with config.keep_average="always"): decode.py's
-  --checkpoint=auto then takes it; otherwise the last step."""
-  last = evaluate(state["params"], step)
-  steps = ckpt.all_steps()
-  if planner is not None:
-    steps = planner.decay_checkpoints(steps)
-  steps = steps[-config.average_last:] if config.average_last > 1 else []
-  if len(steps) <= 1:
-    return state["params"], last, f"the last step ({step})"
-  averaged = averaging.average_checkpoints(workdir, state["params"], steps=steps)
-  averaged = parallel.replicate(averaged, mesh)
-  candidate = evaluate(averaged, step, averaged=True)
-  metric, better = (("bleu", candidate["bleu"] >= last["bleu"]) if "bleu" in last
-                    else ("loss", candidate["loss"] <= last["loss"]))
-  versus = f"validation {metric} {candidate[metric]:.2f} against {last[metric]:.2f}"
-  if not better and config.get("keep_average", "if_no_worse") != "always":
-    choice = f"the last step ({step}): the average of steps {steps} is worse ({versus})"
-    logger.info("Final model: %s; the average is not kept.", choice)
-    return state["params"], last, choice
-  averaging.save_averaged(workdir, averaged, steps, per_process=ckpt.per_process)
-  choice = f"the average of steps {steps} ({versus} for the last step)"
-  logger.info("Final model: %s, saved in the workdir.", choice)
-  return averaged, candidate, choice

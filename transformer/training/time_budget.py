@@ -34,13 +34,17 @@ plan lives in the train state, so a resumed run follows it exactly.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Callable
 
+import jax
 import numpy as np
 
 from transformer.training import steps as steps_lib
+
+logger = logging.getLogger(__name__)
 
 SPENT_KEY = "train_seconds"   # checkpoint metadata: seconds spent up to that step
 EARLY_RESERVE = 0.1           # share of the budget kept for the end before any measurement
@@ -294,3 +298,48 @@ class BudgetPlanner:
       return 0
     end = self.budget.seconds - self.budget.reserve_seconds()
     return max(0, math.ceil(end / self.eval_seconds) - 1 - self._done)
+
+
+class FirstStepsTimer:
+  """Times the updates after a run's first (compiling) one, for the budget's
+  plan: `after_step(metrics)` returns the seconds of an update once
+  MEASURE_STEPS were timed, else 0. Waits for the device twice in all."""
+
+  def __init__(self):
+    self._steps, self._start = 0, 0.0
+
+  def after_step(self, metrics) -> float:
+    self._steps += 1
+    if self._steps == 1 or self._steps == 1 + MEASURE_STEPS:
+      jax.block_until_ready(metrics)
+      if self._steps == 1:
+        self._start = time.perf_counter()
+        return 0.0
+      return (time.perf_counter() - self._start) / MEASURE_STEPS
+    return 0.0
+
+
+def plan_message(planner: BudgetPlanner, step: int, step_seconds: float) -> str:
+  """What the budget's plan fixed after `step`, for the console and train.log."""
+  warmup = int(planner.plan[steps_lib.WARMUP])
+  if not planner.decay_steps:
+    message = (f"step {step}: {step_seconds:.2f} s per step; the budget affords about "
+               f"{planner.estimated_total(step, step_seconds)} steps: warm-up over {warmup}")
+  else:
+    message = (f"step {step}: the learning rate decays to zero over the {planner.decay_steps} "
+               f"steps the budget leaves (to step {planner.total_steps()}, "
+               f"{step_seconds:.2f} s per step)")
+  logger.info("%s", message)
+  return message
+
+
+def estimated_total(planner: BudgetPlanner | None, budget: TimeBudget, step: int,
+                    step_seconds: float, num_train_steps: int) -> int:
+  """The steps a budgeted run will reach at `step_seconds` a step (its plan's
+  end once fixed), at most num_train_steps."""
+  if planner is not None:
+    total = planner.estimated_total(step, step_seconds) or num_train_steps
+  else:
+    left = (budget.remaining() - budget.reserve_seconds()) / max(step_seconds, 1e-9)
+    total = step + max(0, int(left))
+  return max(step, min(num_train_steps, total))
