@@ -20,7 +20,7 @@ import pytest
 
 from transformer.runtime import averaging
 from transformer.runtime import checkpoints, orbax_items
-from transformer.runtime import disk_space
+from transformer.runtime import checkpoint_space, disk_space
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -360,7 +360,7 @@ def test_free_space_is_checked_before_each_save(tmp_path, monkeypatch):
   that would not fit is refused before anything is written."""
   disk_usage = shutil.disk_usage
   free = {"bytes": 1000}
-  monkeypatch.setattr(checkpoints.shutil, "disk_usage",
+  monkeypatch.setattr(checkpoint_space.shutil, "disk_usage",
                       lambda path: disk_usage(path)._replace(free=free["bytes"]))
   with checkpoints.Checkpointer(tmp_path, keep=3) as ckpt:
     assert ckpt.save(1, _random_state(1))               # size unknown: not checked

@@ -22,7 +22,8 @@ and restorable; a step that already exists is never written again.
 A full disk: before each save the Checkpointer checks that the disk has room
 for one more checkpoint (the size of the last complete one; from the second
 save on); a write that still fails for want of space becomes the same
-`disk_space.DiskFullError`, the unfinished checkpoint removed (disk_space.py).
+`disk_space.DiskFullError`, the unfinished checkpoint removed
+(checkpoint_space.py; the error itself is disk_space.py's).
 
 The train state is any pytree of jax arrays (e.g. {"params", "opt_state",
 "step", "rng"}; typed PRNG keys included). Restoring needs a *target*: the
@@ -56,23 +57,20 @@ import datetime
 import json
 import logging
 import os
-import shutil
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer.runtime import multihost
-from transformer.runtime import checkpoint_names
+from transformer.runtime import checkpoint_names, multihost
+from transformer.runtime.checkpoint_space import CheckpointSpace
 from transformer.runtime.orbax_items import (ProcessJsonCheckpointHandler, ProcessJsonRestore,
                                              ProcessJsonSave, abstract_target,
                                              keep_common_steps, leaf_name, manager_options,
                                              multiprocessing_options, pytree_handler,
                                              pytree_restore, pytree_save)
-from transformer.runtime.disk_space import (SPACE_MARGIN, DiskFullError, disk_bytes, is_disk_full,
-                                    remove_unfinished, tree_bytes)
+from transformer.runtime.disk_space import DiskFullError, tree_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +140,7 @@ class Checkpointer:
     self.check_space = check_space
     self._saving_step: int | None = None   # the last save started
     self._failed = False                   # a save failed: close() only releases
-    self._measured: tuple[int, int] | None = None   # (step, its bytes on disk)
-    self._state_bytes = 0                  # the arrays of the last state saved
+    self._space = CheckpointSpace(self.directory, keep, self.per_process)
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.AnySavePolicy([
@@ -234,84 +231,23 @@ class Checkpointer:
         DATA_ITEM: ProcessJsonSave({"data_state": data_state}),
         META_ITEM: ocp.args.JsonSave(meta),
     })
-    self._state_bytes = tree_bytes(state)
+    self._space.state_bytes = tree_bytes(state)
     if self.check_space and (force or self._manager.should_save(step)):
       self.wait()   # (orbax's save waits for the previous one first anyway)
-      self._check_space(step)
-    with self._disk_full_as_error():
+      self._space.check(step)
+    with self._space.full_disk_as_error(self._saving_step, self._give_up):
       saved = self._manager.save(step, args=args, force=force)
     if saved:
       self._saving_step = step
       logger.info("Saving checkpoint for step %d to %s", step, self.directory)
     return saved
 
-  def _check_space(self, step: int) -> None:
-    """Raises DiskFullError, before anything is written, if the disk has
-    less room than the next checkpoint needs (`_needed_bytes`): once the size
-    of one is known (before the first, a full disk is caught when a write
-    fails). With several processes, process 0 decides for all, or with
-    `per_process` (each its own disk) every process for its disk. Object
-    stores (gs://...) are not checked."""
-    latest = self._finished_step()
-    if latest is None:
-      return
-    needed = self._needed_bytes(latest)
-    free = shutil.disk_usage(self.directory).free if multihost.is_local(self.directory) else None
-    fits = free is None or free >= needed
-    if self.per_process:
-      fits = multihost.all_processes(fits)
-    elif jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      fits = bool(multihost_utils.broadcast_one_to_all(np.int32(fits)))
-    free = needed if free is None else free
-    if not fits:
-      raise DiskFullError(self.directory, f"the checkpoint of step {step}", needed, free,
-                          latest, advice=self._advice(latest))
-
-  def _finished_step(self) -> int | None:
-    """The newest complete step, from the directory itself (not orbax's
-    bookkeeping, which may count a save that failed)."""
-    steps = ocp.utils.checkpoint_steps(self.directory) if self.directory.exists() else []
-    return max(steps) if steps else None
-
-  def _needed_bytes(self, latest: int | None) -> int:
-    """The room the next checkpoint needs: the size on disk of the last
-    complete one (measured once per step; orbax compresses, so the arrays'
-    size is only a guess, used when there is none), plus SPACE_MARGIN."""
-    if latest is not None and (self._measured is None or self._measured[0] != latest):
-      self._measured = (latest, disk_bytes(self.directory / str(latest)))
-    size = self._measured[1] if latest is not None else self._state_bytes
-    return int(size * (1 + SPACE_MARGIN))
-
-  def _advice(self, latest: int | None) -> str:
-    """What to do when the disk is full: orbax deletes the oldest checkpoint
-    only after the next one is complete, so keeping fewer frees nothing by
-    itself; deleting old steps does."""
-    if latest is None:
-      return "Free space on that disk, or train into a workdir on a larger one"
-    keep = f"; keep fewer with config.keep_checkpoints, now {self.keep}" if self.keep else ""
-    return (f"Free space on that disk (deleting older steps in {self.directory} helps: "
-            f"step {latest} alone is enough to resume{keep})")
-
-  @contextlib.contextmanager
-  def _disk_full_as_error(self):
-    """Turns orbax's report of a full disk, from whichever call learns of it,
-    into DiskFullError, the unfinished checkpoint removed."""
-    try:
-      yield
-    except Exception as e:
-      if not is_disk_full(e):
-        raise
-      self._failed = True
-      with contextlib.suppress(Exception):  # (its other threads may still be writing)
-        self._manager.close()
-      unfinished = remove_unfinished(self.directory)
-      steps = [int(n.split(".")[0]) for n in unfinished if n.split(".")[0].isdigit()]
-      latest = self._finished_step()
-      step = max(steps, default=self._saving_step)
-      raise DiskFullError(self.directory, f"the checkpoint of step {step}",
-                          self._needed_bytes(latest), shutil.disk_usage(self.directory).free,
-                          latest, unfinished=unfinished, advice=self._advice(latest)) from e
+  def _give_up(self) -> None:
+    """After a save failed for a full disk: stop the manager (its other
+    threads may still be writing); close() then only releases."""
+    self._failed = True
+    with contextlib.suppress(Exception):
+      self._manager.close()
 
   # -- restore -----------------------------------------------------------------
 
@@ -410,7 +346,7 @@ class Checkpointer:
     """Blocks until an in-flight (async) save is finished and committed."""
     if self._failed:
       return
-    with self._disk_full_as_error():
+    with self._space.full_disk_as_error(self._saving_step, self._give_up):
       self._manager.wait_until_finished()
 
   def close(self) -> None:

@@ -2,13 +2,14 @@
 
 Orbax writes a checkpoint from background threads, and a write that fails for
 want of space surfaces there as tensorstore's RESOURCE_EXHAUSTED, often more
-than once, with tracebacks. `checkpoints.Checkpointer` (and the averaging)
-turn it into one `DiskFullError` whose message names the directory, the bytes
-needed and free, the last complete checkpoint and what to do, after
-`remove_unfinished` has taken away the half-written `<step>.orbax-checkpoint-tmp*`.
-Before each save the Checkpointer also compares the free space with the size
-on disk of the last complete checkpoint (`disk_bytes`), so most full disks are
-found before anything is written.
+than once, with tracebacks. `checkpoints.Checkpointer` (through
+`checkpoint_space.py`) and the averaging turn it into one `DiskFullError` whose
+message names the directory, the bytes needed and free, the last complete
+checkpoint and what to do, after `remove_unfinished` has taken away the
+half-written `<step>.orbax-checkpoint-tmp*`. Before each save the Checkpointer
+also compares the free space with the size on disk of the last complete
+checkpoint (`disk_bytes`), so most full disks are found before anything is
+written.
 
 A leaf module: no imports from `transformer`.
 """
