@@ -23,10 +23,8 @@ config's vocab_path) and checkpoints/ (and checkpoints_averaged/). By default
 the averaged checkpoint is used if there is one, else the latest.
 
 --plot_attention=DIR writes DIR/<line number>.png for every non-empty input
-line (numbered from 1): the encoder-decoder (cross) attention of its
-translation (the best hypothesis), one heat-map panel per decoder layer with
-that layer's heads averaged, source pieces on the x axis and target pieces on
-the y axis (see transformer/plotting/attention.py; the notebook also shows single heads).
+line (numbered from 1): its translation's encoder-decoder attention, a
+heat-map panel per decoder layer, heads averaged (transformer/plotting/attention.py).
 
 Progress and a one-line summary (sentences, generated tokens, seconds and how
 many of them compiling, tokens/s of the decoding itself, truncated over-long
@@ -59,11 +57,9 @@ import jax
 from absl import app, flags
 from absl import logging as absl_logging
 
-from transformer.data import text_io
-from transformer.decoding import loader, output, serving_params, streaming
+from transformer.decoding import command
 from transformer.decoding import options as decoding_options
-from transformer.runtime import errors, host_memory
-from transformer.runtime import workdir as workdir_lib
+from transformer.runtime import host_memory
 
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory written by train.py (model_config.json, vocab.model, "
@@ -158,168 +154,47 @@ _CPU_DEVICES = flags.DEFINE_integer(
     "search, slower for large memory-bound ones. 0: JAX's default (one device).")
 
 
-class UsageError(Exception):
-  """A bad flag value or unreadable input (exit status 2)."""
-
-
-class WorkdirError(Exception):
-  """The workdir cannot be used, or decoding failed (exit status 1)."""
-
-
 def translate_options() -> dict:
   """`Translator.translate_hypotheses`' options from the flags of the same names."""
   return dict(method=_METHOD.value, beam_size=_BEAM_SIZE.value,
               length_penalty=_LENGTH_PENALTY.value, beam_stop=_BEAM_STOP.value,
-              max_len=_MAX_LEN.value,
-              min_len=_MIN_LEN.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+              max_len=_MAX_LEN.value, min_len=_MIN_LEN.value,
+              temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
               top_p=_TOP_P.value, seed=_SEED.value, n_best=_N_BEST.value,
               batch_size=_BATCH_SIZE.value, batch_tokens=_BATCH_TOKENS.value,
               concurrent_batches=_CONCURRENT_BATCHES.value)
 
 
-def flag_error(error) -> str:
-  """A library error about an option (`option`, `value`, `problem`), in flag words."""
-  return f"--{error.option}={error.value}: {error.problem}"
-
-
-def check_flags() -> None:
-  """Raises UsageError naming the first flag with a bad value: decode.py's own
-  flags, then the library's checks of the translation options and --checkpoint."""
-  if not _WORKDIR.value:
-    raise UsageError("--workdir is required: the directory train.py wrote "
-                     "(e.g. --workdir=runs/demo)")
-  if _CPU_DEVICES.value < 0:
-    raise UsageError(f"--cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)")
-  if _WINDOW_LINES.value < 1:
-    raise UsageError(f"--window_lines={_WINDOW_LINES.value}: must be >= 1")
-  try:
-    decoding_options.check_options(**{k: v for k, v in translate_options().items() if k != "seed"})
-    workdir_lib.checkpoint_choice(_CHECKPOINT.value)
-  except errors.OptionError as e:
-    raise UsageError(flag_error(e)) from None
-
-
-def check_workdir(workdir: str, which: str) -> tuple[str | int, str | None]:
-  """The checkpoint --checkpoint names ("averaged" or a step) and, for "auto",
-  the note that the average is stale (or None), once the workdir is known to
-  hold what decoding needs (from the record of an earlier decode while the
-  checkpoints are unchanged: serving_params.py). Nothing is loaded: this runs
-  before the input is read. WorkdirError names what is missing and what to do."""
-  try:
-    workdir_lib.check_files(workdir)
-    return serving_params.resolve(workdir, which)
-  except workdir_lib.CheckpointNotFound as e:
-    raise WorkdirError(flag_error(e)) from None
-  except FileNotFoundError as e:
-    raise WorkdirError(str(e)) from None
-
-
-def check_outputs(output_path: str | None, plot_dir: str | None) -> None:
-  """UsageError if --output cannot be written or --plot_attention cannot be
-  created: found before the model is loaded, not after decoding."""
-  if output_path:
-    try:
-      text_io.check_writable(output_path)
-    except text_io.TextFileError as e:
-      raise UsageError(f"--output={e.path}: {e.problem}") from None
-  if plot_dir:
-    try:
-      os.makedirs(plot_dir, exist_ok=True)
-    except OSError as e:
-      raise UsageError(f"--plot_attention={plot_dir}: cannot create it ({e.strerror})") from None
+def request() -> command.Request:
+  """The decode the flags ask for."""
+  input_path, output_path = (None if flag.value in (None, "-") else flag.value
+                             for flag in (_INPUT, _OUTPUT))  # None: stdin, stdout
+  return command.Request(
+      workdir=_WORKDIR.value, input_path=input_path, output_path=output_path,
+      options=translate_options(), checkpoint=_CHECKPOINT.value,
+      output_format=_OUTPUT_FORMAT.value, window_lines=_WINDOW_LINES.value,
+      param_sharding=_PARAM_SHARDING.value, weights_dtype=_WEIGHTS_DTYPE.value,
+      plot_dir=_PLOT_ATTENTION.value, quiet=_QUIET.value)
 
 
 # Objects `main_then_exit` lets the process end with instead of freeing them:
-# the Translator, whose compiled decoders took 0.1 s to free when `run`
+# the Translator, whose compiled decoders took 0.1 s to free when `main`
 # returned (of a 3.6 s decode.py of 1,000 lines at batch 128, 2-core CPU).
 _KEPT_UNTIL_EXIT: list = []
 
 
-def load_translator(workdir: str, which: str | int):
-  """(Translator, a description of its checkpoint); WorkdirError if a file
-  of the workdir cannot be read."""
-  try:
-    translator, info = loader.load_translator(workdir, which, with_info=True,
-                                              param_sharding=_PARAM_SHARDING.value,
-                                              weights_dtype=_WEIGHTS_DTYPE.value)
-  except (OSError, ValueError) as e:
-    raise WorkdirError(str(e)) from None
-  if info["kind"] == "averaged":
-    return translator, f"averaged steps {info['averaged_steps']}"
-  return translator, f"step {info['step']}"
-
-
-def run() -> None:
-  """Cheap checks first (flags, workdir, outputs), before reading stdin or
-  loading anything; then load and translate window by window."""
-  check_flags()
-  workdir, quiet, method = _WORKDIR.value, _QUIET.value, _METHOD.value
-  input_path, output_path = (None if flag.value in (None, "-") else flag.value
-                             for flag in (_INPUT, _OUTPUT))  # None: stdin, stdout
-  plot_dir = _PLOT_ATTENTION.value
-  which, note = check_workdir(workdir, _CHECKPOINT.value)
-  if note:
-    print(note, file=sys.stderr)
-  check_outputs(output_path, plot_dir)
-  if input_path is None and jax.process_count() > 1:
-    raise UsageError("--input=FILE is needed with several processes (standard input is "
-                     "process 0's alone)")
-  if input_path is not None:
-    try:
-      text_io.check_readable(input_path)
-    except text_io.TextFileError as e:
-      raise UsageError(f"--input={e.path}: {e.problem}") from None
-  elif sys.stdin.isatty() and not quiet:
-    print("Reading sentences from standard input (end with Ctrl-D) ...", file=sys.stderr)
-
-  translator, described = load_translator(workdir, which)
-  _KEPT_UNTIL_EXIT.append(translator)
-  # One command, one file: its decoders are loaded for it alone, so on a CPU
-  # those with few rows to decode are built small (less to load, a little
-  # slower per row: Translator.small_decoders_for_few_rows).
-  translator.small_decoders_for_few_rows = (
-      translator.mesh.devices.flat[0].platform == "cpu")
-  if not gc.isenabled():  # (turned off at start-up, above)
-    gc.freeze()  # what exists now lives to the end: never walked again
-    gc.enable()
-  plots = 0 if plot_dir else None
-
-  def plot(first_line, sources, results):  # (matplotlib: imported only when asked for)
-    nonlocal plots
-    from transformer import plotting
-    for k, hyps in enumerate(results):  # (None: a line another process decoded)
-      if hyps is not None:
-        plots += plotting.save_cross_attention_plots(
-            translator, sources[k:k + 1], [hyps[0].text], plot_dir, first_line=first_line + k)
-  run_key = {"workdir": os.path.abspath(workdir), "checkpoint": described}
-  try:
-    stats = streaming.decode_file(
-        translator, input_path, output_path, options=translate_options(), run=run_key,
-        output_format=_OUTPUT_FORMAT.value, window_lines=_WINDOW_LINES.value,
-        progress=not quiet, on_results=plot if plot_dir else None)
-  except streaming.ResumeMismatch as e:
-    raise UsageError(str(e)) from None
-  except text_io.NotUtf8Error as e:
-    raise UsageError(f"{e} (the translations of the lines before it are written)") from None
-  except text_io.TextFileError as e:
-    raise WorkdirError(f"--output={e.path}: {e.problem}") from None
-  if not quiet and jax.process_index() == 0:
-    line = output.summary_line(stats, method=method, checkpoint=described, plots=plots,
-                               weights_dtype=_WEIGHTS_DTYPE.value)
-    if stats["resumed_at"]:
-      line += f"; resumed after line {stats['resumed_at']}"
-    print(line, file=sys.stderr)
-  if warning := output.truncation_warning(stats, translator.config.max_len):
-    print(warning, file=sys.stderr)
-
-
 def main(argv) -> int:
+  """Starts the processes and the compilation cache, decodes; the exit status."""
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}; the input is --input=FILE or "
           "standard input", file=sys.stderr)
     return 2
   # orbax logs at INFO; keep stderr for the progress bar and the summary.
   absl_logging.set_verbosity(absl_logging.WARNING)
+  if _CPU_DEVICES.value < 0:
+    print(f"error: --cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)",
+          file=sys.stderr)
+    return 2
   from transformer.runtime import multihost
   try:  # several processes (hosts) start as train.py's do
     multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
@@ -330,36 +205,15 @@ def main(argv) -> int:
   from transformer.runtime import compile_cache
   compile_cache.enable(_COMPILATION_CACHE.value)
   try:
-    run()
-  except (UsageError, WorkdirError) as e:
+    command.decode(request(), keep=_KEPT_UNTIL_EXIT)
+  except (command.UsageError, command.WorkdirError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)  # one line
-    return 2 if isinstance(e, UsageError) else 1
+    return 2 if isinstance(e, command.UsageError) else 1
   except KeyboardInterrupt:
     print("\nInterrupted: the same command continues after the last finished window "
           "(an --output file's progress record says where).", file=sys.stderr)
     return 130
   return 0
-
-
-# Batches of at least this many rows (inputs x beams, or x samples) run each
-# computation on the thread that calls it (`main_then_exit`): the main
-# thread, which decodes a lane of batches (`Translator._decode_in_lanes`),
-# then keeps their temporaries in its heap, where a thread's own keeps no
-# block over 64 MB (host_memory.py). Beam 4 at batch 128 (512 rows, 100-400
-# MB a batch) on gettext lines: 20,000 lines 1.07x faster, 5,000 1.02x,
-# 1,000 the same. Smaller batches keep JAX's asynchronous dispatch, which lets
-# a lane queue its next batch while one runs: beam 4 at 32 was 4-6% slower
-# on 1,000 lines without it (docs/decoding.md).
-CALLING_THREAD_MIN_ROWS = 512
-
-
-def rows_per_batch() -> int:
-  """A decoding batch's rows as the flags ask for them (0 with --batch_tokens:
-  they vary with the inputs' lengths)."""
-  if _BATCH_TOKENS.value:
-    return 0
-  return _BATCH_SIZE.value * decoding_options.rows_per_input(
-      _METHOD.value, _BEAM_SIZE.value, _N_BEST.value)
 
 
 def main_then_exit(argv) -> int:
@@ -372,8 +226,8 @@ def main_then_exit(argv) -> int:
   (JAX's distributed runtime shuts down at exit).
 
   Before anything starts JAX's backend: large batches' computations run on
-  the threads that call them (CALLING_THREAD_MIN_ROWS)."""
-  if rows_per_batch() >= CALLING_THREAD_MIN_ROWS:
+  the threads that call them (`command.CALLING_THREAD_MIN_ROWS`)."""
+  if command.uses_calling_threads(translate_options()):
     host_memory.run_computations_on_calling_threads()
   code = main(argv)
   if jax.process_count() == 1:
@@ -388,11 +242,9 @@ def main_then_exit(argv) -> int:
 
 
 if __name__ == "__main__":
-  # Freed memory stays in the process (`host_memory`), so that a batch's
-  # temporaries (up to 64 MB) are not faulted in afresh for every batch: on
-  # 10,000 lines at batch 128, 1.38M -> 0.54M page faults and 1.05x faster
-  # (2-core CPU). Each thread keeps its own heap (`one_heap=False`): on
-  # train.py's one heap the threads that load the decoders side by side and
-  # decode in lanes waited on its lock.
+  # Freed memory stays in the process (`host_memory`): a batch's temporaries
+  # are not faulted in afresh for every batch (10,000 lines at batch 128: 1.05x
+  # faster, 2-core CPU). A heap per thread: on one, the threads that load the
+  # decoders and decode in lanes waited on its lock.
   host_memory.keep_freed_memory(one_heap=False)
   app.run(main_then_exit)

@@ -19,11 +19,11 @@ source padding. On real text, for a trained model.
 2. **Timing.** `Translator.translate` of the same lines (every shape
    compiled first, then `--repeats` alternating rounds, medians) as it is:
    `batching.length_batches` (consecutive lengths), early-exit checks
-   every 2 steps (`loops.EARLY_EXIT_CHUNK`), the longest batches decoded
-   first (`translator.LONGEST_FIRST`); the same with checks every 4 steps;
+   every 2 steps (`options.EARLY_EXIT_CHUNK`), the longest batches decoded
+   first (`batch_plan.LONGEST_FIRST`); the same with checks every 4 steps;
    and as before 2026-11-26 (`per_bucket_batches`: one length bucket per
    batch, checks every 8 steps, shortest first). `--shrink_factors=4,2`
-   adds the batches shrinking by other factors than `translator.SHRINK_FACTOR`
+   adds the batches shrinking by other factors than `batch_plan.SHRINK_FACTOR`
    (smaller steps, fewer wasted row-steps, one more compiled step size per
    halving: the table gives each variant's compile seconds and compiled
    instructions, what a warm `decode.py` pays again to load them), both
@@ -54,7 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_vs_ctranslate2 import add_model_and_input_arguments, read_input
 import jax
 
-from transformer.decoding import batching as batching_lib, loader, loops, search, source_packing
+from transformer.decoding import batch_plan, batching as batching_lib, loader, loops, search
+from transformer.decoding import beam_search as beam_lib
+from transformer.decoding import options as decoding_options, source_packing
 from transformer.decoding import translator as translator_lib
 from transformer.decoding.options import BEAM_STOPS
 
@@ -89,7 +91,7 @@ def greedy_shared(translator, encoded) -> dict[int, int]:
   """The buckets `translator` shares when it decodes `encoded` greedily
   (`batching.shared_buckets`; {} with `share_buckets` off): greedy batches
   depend on them (`batching.length_batches` cuts where they pad the least)."""
-  if not translator.share_buckets:
+  if not translator.policy.share_buckets:
     return {}
   return batching_lib.shared_buckets(encoded, translator.config.max_len, rows_per_input=1)
 
@@ -160,11 +162,15 @@ def packed_read(members: list[list[int]], rows: int, length: int) -> int:
   return -(-in_use // chunk) * chunk * length
 
 
-def shrink_sizes(translator, batch: int, factor: int) -> list[int]:
+def shrink_sizes(translator, batch: int, factor: int, shrink: bool | None = None) -> list[int]:
   """The batch sizes a decoding batch of `batch` rows goes through when it
-  shrinks by `factor` (`translator._shrink`'s ladder with another factor)."""
-  shrink = translator._shrink(translator.shrink_batches)
-  return shrink._replace(factor=factor).sizes(batch) if shrink is not None else [batch]
+  shrinks by `factor` (`batch_plan.shrinking`'s ladder with that factor), if
+  it shrinks (`shrink`; None: as the translator's policy says)."""
+  shrink = translator.policy.shrink_batches if shrink is None else shrink
+  shape = batch_plan.DecoderShape("greedy", batch, 8, 24, 1, 0, shrink=shrink,
+                                  shrink_factor=factor)
+  steps = batch_plan.shrinking(shape, translator.policy.devices)
+  return loops.Shrink(None, *steps).sizes(batch) if steps is not None else [batch]
 
 
 def accounting(translator, encoded, generated, batch_sizes, chunks):
@@ -172,7 +178,7 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
   max_length, rows = translator.config.max_len, []
   source = sum(map(len, encoded))
   for batch in batch_sizes:
-    sizes = shrink_sizes(translator, batch, translator_lib.SHRINK_FACTOR)
+    sizes = shrink_sizes(translator, batch, batch_plan.SHRINK_FACTOR)
     for batching in BATCHINGS:
       batches = make_batches(batching, encoded, max_length, batch,
                              greedy_shared(translator, encoded))
@@ -188,10 +194,10 @@ def accounting(translator, encoded, generated, batch_sizes, chunks):
 
 
 # (batching, early-exit check every, decoded longest batches first, shrink
-# factor): the settings of `batching.length_batches`, `loops.EARLY_EXIT_CHUNK`,
-# `translator.LONGEST_FIRST` and `translator.SHRINK_FACTOR` each timed variant
+# factor): the settings of `batching.length_batches`, `options.EARLY_EXIT_CHUNK`,
+# `batch_plan.LONGEST_FIRST` and `batch_plan.SHRINK_FACTOR` each timed variant
 # runs with. The first: now.
-NOW = translator_lib.SHRINK_FACTOR
+NOW = batch_plan.SHRINK_FACTOR
 VARIANTS = {("consecutive", 2, True, NOW): (batching_lib.length_batches, 2, True, NOW),
             ("consecutive", 4, True, NOW): (batching_lib.length_batches, 4, True, NOW),
             ("per bucket", 8, False, NOW): (per_bucket_batches, 8, False, NOW)}
@@ -208,16 +214,17 @@ def variants(shrink_factors: list[int]) -> dict:
 def _set(form, chunk, longest_first, shrink_factor) -> None:
   """The module settings a variant runs with; `shrink_factor` for every
   decoder (the Translator's halves for beam decoders of many rows set aside)."""
-  batching_lib.length_batches, loops.EARLY_EXIT_CHUNK = form, chunk  # (read when tracing)
-  translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR = longest_first, shrink_factor
-  translator_lib.FINE_SHRINK_FACTOR = shrink_factor
+  batching_lib.length_batches = form
+  decoding_options.EARLY_EXIT_CHUNK = chunk  # (read when tracing and planning)
+  batch_plan.LONGEST_FIRST, batch_plan.SHRINK_FACTOR = longest_first, shrink_factor
+  batch_plan.FINE_SHRINK_FACTOR = shrink_factor
 
 
 def compiled_instructions(translator) -> int:
   """HLO instructions in the decoders a Translator compiled (what loading
   them again costs: docs/benchmarks.md, "Side by side")."""
   return sum(sum(" = " in line for line in executable.as_text().splitlines())
-             for executable in translator._executables.values())
+             for executable in translator.decoders.executables.values())
 
 
 def _fresh_translator(translator):
@@ -239,9 +246,9 @@ def timing(translator, lines, method, batch, repeats, beam_stop="exact",
            shrink_factors=(NOW,)):
   """{variant: (median seconds, translations, compile seconds, compiled
   instructions)} (part 2)."""
-  defaults = (batching_lib.length_batches, loops.EARLY_EXIT_CHUNK,
-              translator_lib.LONGEST_FIRST, translator_lib.SHRINK_FACTOR)
-  fine_default = translator_lib.FINE_SHRINK_FACTOR
+  defaults = (batching_lib.length_batches, decoding_options.EARLY_EXIT_CHUNK,
+              batch_plan.LONGEST_FIRST, batch_plan.SHRINK_FACTOR)
+  fine_default = batch_plan.FINE_SHRINK_FACTOR
   options = _decode_options(method, batch, beam_stop)
   timed = variants(list(shrink_factors))
   translators, seconds, outputs, compiling = {}, {}, {}, {}
@@ -260,7 +267,7 @@ def timing(translator, lines, method, batch, repeats, beam_stop="exact",
         seconds[variant].append(time.perf_counter() - start)
   finally:
     _set(*defaults)
-    translator_lib.FINE_SHRINK_FACTOR = fine_default
+    batch_plan.FINE_SHRINK_FACTOR = fine_default
   return {key: (statistics.median(s), outputs[key], *compiling[key])
           for key, s in seconds.items()}
 
@@ -283,16 +290,16 @@ def counted_input_steps(translator, lines, method, batch, beam_stop="exact",
       return step_fn(state)
     return original_loop(counted, *args, **kwargs)
 
-  original_loop = search._shrinking_loop
-  factors = translator_lib.SHRINK_FACTOR, translator_lib.FINE_SHRINK_FACTOR
-  search._shrinking_loop = counting_loop
-  translator_lib.SHRINK_FACTOR = translator_lib.FINE_SHRINK_FACTOR = shrink_factor
+  original_loop = search._shrinking_loop  # (greedy's and sampling's; beam search's its own)
+  factors = batch_plan.SHRINK_FACTOR, batch_plan.FINE_SHRINK_FACTOR
+  search._shrinking_loop = beam_lib._shrinking_loop = counting_loop
+  batch_plan.SHRINK_FACTOR = batch_plan.FINE_SHRINK_FACTOR = shrink_factor
   try:
     hypotheses = _fresh_translator(translator).translate_hypotheses(
         lines, **_decode_options(method, batch, beam_stop))
   finally:
-    search._shrinking_loop = original_loop
-    translator_lib.SHRINK_FACTOR, translator_lib.FINE_SHRINK_FACTOR = factors
+    search._shrinking_loop = beam_lib._shrinking_loop = original_loop
+    batch_plan.SHRINK_FACTOR, batch_plan.FINE_SHRINK_FACTOR = factors
   return sum(counts), sum(h[0].length for h in hypotheses if h)
 
 
@@ -302,7 +309,7 @@ def main(argv=None) -> int:
   parser.add_argument("--repeats", type=int, default=3, help="timed rounds (0: accounting only)")
   parser.add_argument("--shrink_factors", default=str(NOW),
                       help="comma-separated: the shrink factors to account for and time "
-                           f"(translator.SHRINK_FACTOR, now {NOW}, always)")
+                           f"(batch_plan.SHRINK_FACTOR, now {NOW}, always)")
   parser.add_argument("--count_steps", action="store_true",
                       help="also count the input-steps the decoders run (part 3)")
   parser.add_argument("--beam_stop", default="exact", choices=BEAM_STOPS,
@@ -340,7 +347,7 @@ def main(argv=None) -> int:
   print("| batch | queue | row-steps that generate a token | now |")
   print("|---|---|---|---|")
   for batch in batch_sizes:
-    sizes = translator._shrink(True).sizes(batch)  # (the pool drains as a batch shrinks)
+    sizes = shrink_sizes(translator, batch, NOW, shrink=True)  # (a pool drains as a batch shrinks)
     for queue, label in ((4 * batch, f"{4 * batch} sentences"), (len(lines), "a whole bucket")):
       queues = per_bucket_batches(encoded, translator.config.max_len, lambda _: queue)
       run = sum(pool_row_steps([generated[i] for i in members], batch, 2, sizes)

@@ -32,6 +32,7 @@ import numpy as np
 from benchmarks import common
 from transformer.model import kv_cache
 from transformer.model import transformer as model_lib
+from transformer.decoding.batch_plan import DecoderShape
 from transformer.decoding.translator import Translator
 
 NUM_SENTENCES, SRC_LEN, GEN_LEN = 16, 32, 64
@@ -47,12 +48,13 @@ def compile_decoder(shape: str, method: str, beam_size: int, compiler_options=No
   config = config.replace(max_len=128)
   params = model_lib.init_params(config, jax.random.key(0))
   translator = Translator(config, params, tokenizer=None)
-  fn = translator._decode_fn(method, sentences, SRC_LEN, GEN_LEN, beam_size, 0)
+  fn = translator.decoders.program(
+      DecoderShape(method, sentences, SRC_LEN, GEN_LEN, beam_size, 0))
   inputs = np.asarray(jax.random.randint(jax.random.key(1), (sentences, SRC_LEN), 3,
                                          config.vocab_size))
   rows = np.zeros(sentences, np.int32)  # (each row's line and copy: sampling's keys)
   limits = np.full(sentences, GEN_LEN, np.int32)  # (each row's most tokens: all of them)
-  args = (translator.params, translator.logits_kernel, inputs, jax.random.key(2), rows, rows,
+  args = (translator.params, translator.decoders.logits_kernel, inputs, jax.random.key(2), rows, rows,
           limits, 0.6, 1.0, 1.0, GEN_LEN, ())
   start = time.perf_counter()
   compiled = fn.lower(*args).compile(compiler_options=compiler_options)

@@ -11,7 +11,7 @@ vocabulary. Two regimes:
          numbers show what the chunked while-loop costs over a plain scan.
 
 Greedy search (which always exits early) is timed in both regimes too, and
-`--chunks` sweeps loops.EARLY_EXIT_CHUNK.
+`--chunks` sweeps options.EARLY_EXIT_CHUNK.
 
   python benchmarks/bench_early_exit.py
   python benchmarks/bench_early_exit.py --batch 64 --vocab 32000 --max_len 256
@@ -27,8 +27,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from transformer.decoding import loops
+from transformer.decoding import options
 from transformer.decoding import search as decoding
+from transformer.decoding import beam_search as beam_lib
 
 
 def make_toy_decoder(*, vocab, d_model, max_len, eos_id, finish_at, seed=0,
@@ -102,7 +103,7 @@ def main():
   def beam(early_exit, calls=None):
     def fn(cache, finish_at):
       model = toy(finish_at=finish_at, calls=calls)[0]
-      return decoding.beam_search(model, cache, beam_size=args.beam_size,
+      return beam_lib.beam_search(model, cache, beam_size=args.beam_size,
                                   early_exit=early_exit, **common)
     return jax.jit(fn)
 
@@ -117,7 +118,7 @@ def main():
          for r, f in regimes.items()}
   steps = {}
   for chunk in args.chunks:
-    loops.EARLY_EXIT_CHUNK = chunk  # Read when tracing.
+    options.EARLY_EXIT_CHUNK = chunk  # Read when tracing.
     b, g = beam(early_exit=True), greedy()
     for r, f in regimes.items():
       fns[("beam", chunk, r)] = functools.partial(b, cache, f)

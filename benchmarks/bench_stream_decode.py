@@ -86,12 +86,12 @@ def idle_shares(workdir: str, lines: int, method: str) -> dict:
   sentences = [phrases[i % len(phrases)] for i in range(lines)]
   translator = transformer.load_translator(workdir)
   recorded = []
-  dispatch = translator._dispatch
+  dispatch = translator.decoders.dispatch
 
   def recording(shape, inputs):
     recorded.append((shape, inputs))
     return dispatch(shape, inputs)
-  translator._dispatch = recording
+  translator.decoders.dispatch = recording
   options = dict(method=method, concurrent_batches=1)  # (the overlap of one lane)
   translator.translate_hypotheses(sentences, **options)  # compile every shape
   out = {}
@@ -105,7 +105,7 @@ def idle_shares(workdir: str, lines: int, method: str) -> dict:
   replay = []
   for _ in range(2):
     start = time.perf_counter()
-    results = [translator._dispatch(shape, inputs) for shape, inputs in recorded]
+    results = [dispatch(shape, inputs) for shape, inputs in recorded]
     jax.block_until_ready(results)
     replay.append(time.perf_counter() - start)
   device = min(replay)

@@ -16,7 +16,6 @@ example that stops working fails here.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -30,7 +29,7 @@ import pytest
 import transformer
 from transformer.data import demo_task
 from transformer.training import loop as training
-from transformer.decoding import batching, translator as translation
+from transformer.decoding import batch_plan, batching, translator as translation
 from transformer.runtime import workdir as workdir_lib
 from transformer.data.tokenizer import UNK_ID
 
@@ -193,7 +192,7 @@ def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_exa
   sentences = ["forty-two red apples", "one small cat", "seven new cars"]
   trained = translator.params
   before = translator.translate(sentences, method="beam")  # compiles these shapes
-  compiled = dict(translator._executables)
+  compiled = dict(translator.decoders.executables)
   other = jax.tree_util.tree_map(lambda x: x * 0.5 + 0.01, trained)
   want = Translator(translator.config, other, translator.tokenizer).translate(
       sentences, method="beam")
@@ -202,9 +201,10 @@ def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_exa
     got = translator.translate(sentences, method="beam")
     # Nothing compiled again (new decoders only for the inputs that the
     # other parameters' first search leaves unfinished: `first_search_length`).
-    assert all(translator._executables[shape] is decoder for shape, decoder in compiled.items())
+    assert all(translator.decoders.executables[shape] is decoder
+               for shape, decoder in compiled.items())
     assert all(decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
-               for shape in set(translator._executables) - set(compiled))
+               for shape in set(translator.decoders.executables) - set(compiled))
   finally:
     translator.set_params(trained)  # the module's other tests use it
   assert got == want
@@ -212,41 +212,45 @@ def test_set_params_translates_as_a_fresh_translator_without_recompiling(run_exa
   assert translator.translate(sentences, method="beam") == before
 
 
-def decoder_option(shape: tuple, name: str):
-  """The value of `Translator._decode_fn`'s argument `name` in a decoder's
-  shape (`Translator._executables`' keys: its arguments in order)."""
-  names = list(inspect.signature(translation.Translator._decode_fn).parameters)[1:]
-  return shape[names.index(name)]
+def decoder_option(shape: batch_plan.DecoderShape, name: str):
+  """The field `name` of a decoder's shape (`Decoders.executables`' keys)."""
+  return getattr(shape, name)
 
 
-def with_option(shape: tuple, name: str, value) -> tuple:
-  """`shape` with `_decode_fn`'s argument `name` set to `value`."""
-  names = list(inspect.signature(translation.Translator._decode_fn).parameters)[1:]
-  return shape[:names.index(name)] + (value,) + shape[names.index(name) + 1:]
+def with_option(shape: batch_plan.DecoderShape, name: str, value) -> batch_plan.DecoderShape:
+  """`shape` with its field `name` set to `value`."""
+  return shape._replace(**{name: value})
+
+
+def shrink_sizes(translator, batch: int, **fields) -> list[int]:
+  """The batch sizes a decoder of `batch` rows and these `DecoderShape`
+  fields shrinks through (`Decoders.shrink`)."""
+  shape = batch_plan.DecoderShape("greedy", batch, 8, 24, 1, 0, **fields)
+  return translator.decoders.shrink(shape).sizes(batch)
 
 
 def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
-  """`Translator.shrink_batches`: on by default on a CPU, where it pays (off
+  """`Policy.shrink_batches`: on by default on a CPU, where it pays (off
   on accelerators: class docstring); off, a batch runs all its rows to its
   end, through decoders of their own (compiled anew, not the shrinking
   ones), with the same translations."""
   translator = run_example(API_EXAMPLE)[0]["translator"]
   sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
-  assert translator.shrink_batches and translator._shrink(True).sizes(32) == [32, 8]
+  assert translator.policy.shrink_batches and shrink_sizes(translator, 32) == [32, 8]
   shrunk = translator.translate(sentences, method="greedy", batch_size=32)
-  compiled = set(translator._executables)
-  translator.shrink_batches = False
+  compiled = set(translator.decoders.executables)
+  translator.policy.shrink_batches = False
   try:
     whole = translator.translate(sentences, method="greedy", batch_size=32)
-    new = set(translator._executables) - compiled
+    new = set(translator.decoders.executables) - compiled
     assert new and all(decoder_option(shape, "shrink") is False for shape in new)
   finally:
-    translator.shrink_batches = True
+    translator.policy.shrink_batches = True
   assert whole == shrunk
 
 
 def test_decoders_with_many_rows_to_decode_shrink_by_halves(run_example, monkeypatch):
-  """`Translator._shrink_factor`: a beam search decoder with at least
+  """`batch_plan.Policy.shrink_factor`: a beam search decoder with at least
   FINE_SHRINK_MIN_ROWS rows to decode in a call (its inputs times their
   beams) shrinks by halves (32 -> 16 -> 8), one with fewer by quarters
   (32 -> 8), and greedy search's whatever its rows; the rows are counted
@@ -255,38 +259,38 @@ def test_decoders_with_many_rows_to_decode_shrink_by_halves(run_example, monkeyp
   example = run_example(API_EXAMPLE)[0]["translator"]
   translator = translation.Translator(example.config, example.params, example.tokenizer)
   sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
-  monkeypatch.setattr(translation, "FINE_SHRINK_MIN_ROWS", 12)  # 12 inputs: 48 beam rows
+  monkeypatch.setattr(batch_plan, "FINE_SHRINK_MIN_ROWS", 12)  # 12 inputs: 48 beam rows
   factors = {}
   for method in ("greedy", "beam"):
-    compiled = set(translator._executables)
+    compiled = set(translator.decoders.executables)
     shrunk = translator.translate(sentences, method=method, batch_size=32)
-    new = set(translator._executables) - compiled
+    new = set(translator.decoders.executables) - compiled
     factors[method] = {decoder_option(shape, "shrink_factor") for shape in new}
-    translator.shrink_batches = False  # (then one decoder, whatever the rows)
+    translator.policy.shrink_batches = False  # (then one decoder, whatever the rows)
     try:
       assert translator.translate(sentences, method=method, batch_size=32) == shrunk, method
     finally:
-      translator.shrink_batches = True
+      translator.policy.shrink_batches = True
     factors[method, "whole"] = {decoder_option(shape, "shrink_factor") for shape in
-                                set(translator._executables) - compiled - new}
+                                set(translator.decoders.executables) - compiled - new}
   assert factors == {"greedy": {4}, "beam": {2}, ("greedy", "whole"): {4},
                      ("beam", "whole"): {4}}, factors
-  monkeypatch.setattr(translation, "FINE_SHRINK_MIN_ROWS", 49)
-  compiled = set(translator._executables)
+  monkeypatch.setattr(batch_plan, "FINE_SHRINK_MIN_ROWS", 49)
+  compiled = set(translator.decoders.executables)
   translator.translate(sentences, method="beam", batch_size=32)  # (48 rows: by quarters)
-  new = set(translator._executables) - compiled
+  new = set(translator.decoders.executables) - compiled
   assert new and {decoder_option(shape, "shrink_factor") for shape in new} == {4}
-  assert translator._shrink(True, 2).sizes(32) == [32, 16, 8]
+  assert shrink_sizes(translator, 32, shrink_factor=2) == [32, 16, 8]
   # A share of the batches of 4 (16 rows): its decoder counts all 12 inputs' 48.
-  monkeypatch.setattr(translation, "FINE_SHRINK_MIN_ROWS", 40)
-  compiled = set(translator._executables)
+  monkeypatch.setattr(batch_plan, "FINE_SHRINK_MIN_ROWS", 40)
+  compiled = set(translator.decoders.executables)
   translator.translate_hypotheses(sentences, method="beam", batch_size=4, share=(1, 2))
-  new = set(translator._executables) - compiled
+  new = set(translator.decoders.executables) - compiled
   assert new and {decoder_option(shape, "shrink_factor") for shape in new} == {2}
 
 
 def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypatch):
-  """`Translator._small_decoder`: a greedy or sampling decoder's first search
+  """`batch_plan.Policy.small_decoder`: a greedy or sampling decoder's first search
   with at most SMALL_DECODER_MAX_ROWS rows to decode in a call is built
   small: its steps read the whole self-attention cache (its compiled program
   holds none of the prefix switch's conditionals that the others hold) and
@@ -296,23 +300,24 @@ def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypat
   way (greedy, 2 samples)."""
   example = run_example(API_EXAMPLE)[0]["translator"]
   translator = translation.Translator(example.config, example.params, example.tokenizer)
-  assert translator.small_decoders_for_few_rows is False  # (the API's default; decode.py's
-  translator.small_decoders_for_few_rows = True           # on a CPU: test_decode_cli.py)
+  # (False: the API's default; decode.py's on a CPU: test_decode_cli.py)
+  assert translator.policy.small_decoders_for_few_rows is False
+  translator.policy.small_decoders_for_few_rows = True
   sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
   runs = {"greedy": dict(method="greedy"), "sample": dict(method="sample", n_best=2, seed=3)}
 
   def decode(limit, **options):
     """-> (translations, {new first-search decoder's `small`: its (conditionals,
     while loops)}); the decoders searching again in full are never small."""
-    monkeypatch.setattr(translation, "SMALL_DECODER_MAX_ROWS", limit)
-    compiled = set(translator._executables)
+    monkeypatch.setattr(batch_plan, "SMALL_DECODER_MAX_ROWS", limit)
+    compiled = set(translator.decoders.executables)
     out = translator.translate_hypotheses(sentences, batch_size=128, **options)
-    new = set(translator._executables) - compiled
+    new = set(translator.decoders.executables) - compiled
     first = {shape for shape in new
              if decoder_option(shape, "max_len") < decoder_option(shape, "search_len")}
     assert len(first) == 1, options
     assert not any(decoder_option(shape, "small") for shape in new - first)
-    program = lambda shape: translator._executables[shape].as_text()
+    program = lambda shape: translator.decoders.executables[shape].as_text()
     return [[h.text for h in hyps] for hyps in out], {
         decoder_option(shape, "small"): (program(shape).count(" conditional("),
                                          program(shape).count(" while("))
@@ -327,30 +332,30 @@ def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypat
     (small_conditionals, small_loops), = small.values()
     (conditionals, loops), = not_small.values()
     assert small_conditionals < conditionals and small_loops < loops, (name, small, not_small)
-  assert translator._shrink(True, cuts=1).sizes(128) == [128, 32]
-  assert translator._shrink(True).sizes(128) == [128, 32, 8]
+  assert shrink_sizes(translator, 128, small=True) == [128, 32]
+  assert shrink_sizes(translator, 128) == [128, 32, 8]
   assert set(decode(1000, method="beam")[1]) == {False}  # (its whole cache anyway)
   # Off (the API's default, and on accelerators): never small.
-  translator.small_decoders_for_few_rows = False
+  translator.policy.small_decoders_for_few_rows = False
   try:
-    assert translator._small_decoder("greedy", 1, True) is False
+    assert translator.policy.small_decoder("greedy", 1, True) is False
   finally:
-    translator.small_decoders_for_few_rows = True
-  assert translator._small_decoder("greedy", 1, True) is True
+    translator.policy.small_decoders_for_few_rows = True
+  assert translator.policy.small_decoder("greedy", 1, True) is True
   # A whole search (no first search) is not small, whatever its rows.
-  translator.first_search = False
+  translator.policy.first_search = False
   try:
-    compiled = set(translator._executables)
+    compiled = set(translator.decoders.executables)
     translator.translate(sentences, method="greedy", batch_size=32)
-    new = set(translator._executables) - compiled
+    new = set(translator.decoders.executables) - compiled
     assert new and not any(decoder_option(shape, "small") for shape in new)
   finally:
-    translator.first_search = True
+    translator.policy.first_search = True
   # A share (1 of 2) of the batches of 4 counts all 12 inputs, not its 6 (or 8).
-  monkeypatch.setattr(translation, "SMALL_DECODER_MAX_ROWS", 11)
-  compiled = set(translator._executables)
+  monkeypatch.setattr(batch_plan, "SMALL_DECODER_MAX_ROWS", 11)
+  compiled = set(translator.decoders.executables)
   translator.translate_hypotheses(sentences, method="greedy", batch_size=4, share=(1, 2))
-  new = set(translator._executables) - compiled
+  new = set(translator.decoders.executables) - compiled
   assert new and not any(decoder_option(shape, "small") for shape in new)
 
 
@@ -381,11 +386,11 @@ def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monk
       out.append((hyps, translator.last_stats["searched_again"]))
     return out
 
-  translator.first_search = False
+  translator.policy.first_search = False
   whole = translate_all(None)
   assert all(decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
-             for shape in translator._executables)
-  translator.first_search = True
+             for shape in translator.decoders.executables)
+  translator.policy.first_search = True
   first_part = translate_all(dict(greedy=8, beam=12, sample=8))
   for (method, _), (want, none_again), (got, again) in zip(runs, whole, first_part):
     assert none_again == 0
@@ -393,14 +398,14 @@ def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monk
     assert [[h.text for h in hyps] for hyps in got] == [[h.text for h in hyps] for hyps in want]
     np.testing.assert_allclose([[h.score for h in hyps] for hyps in got],
                                [[h.score for h in hyps] for hyps in want], rtol=1e-5)
-  again_shapes = [shape for shape in translator._executables
+  again_shapes = [shape for shape in translator.decoders.executables
                   if decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
                   and decoder_option(shape, "batch") < 16]
   assert {shape[0] for shape in again_shapes} == {"greedy", "beam"}  # (6 samples' 12 rows: 16)
 
 
 def test_packed_sources_translate_the_same_as_padded_ones(run_example):
-  """`Translator.pack_sources` (on by default on a CPU with one device): the
+  """`Policy.pack_sources` (on by default on a CPU with one device): the
   encoder reads the sentences packed several to a row; off, each padded to
   its batch's length, through decoders of their own; greedy and sampled
   translations (n_best 2: one row per sample) are the same (beam search
@@ -408,18 +413,18 @@ def test_packed_sources_translate_the_same_as_padded_ones(run_example):
   translator = run_example(API_EXAMPLE)[0]["translator"]
   sentences = ["forty-two red apples", "", "one small cat", "seven new cars and one cat",
                "one cat"] * 3
-  assert translator.pack_sources
+  assert translator.policy.pack_sources
   runs = [("greedy", {}), ("sample", dict(n_best=2, top_k=5, seed=1))]
   packed = [translator.translate(sentences, method=method, batch_size=8, **options)
             for method, options in runs]
-  assert all(decoder_option(shape, "packed") for shape in translator._executables)
-  translator.pack_sources = False
+  assert all(decoder_option(shape, "packed") for shape in translator.decoders.executables)
+  translator.policy.pack_sources = False
   try:
     padded = [translator.translate(sentences, method=method, batch_size=8, **options)
               for method, options in runs]
-    assert any(not decoder_option(shape, "packed") for shape in translator._executables)
+    assert any(not decoder_option(shape, "packed") for shape in translator.decoders.executables)
   finally:
-    translator.pack_sources = True
+    translator.policy.pack_sources = True
   for (method, _), got, want in zip(runs, packed, padded):
     if method == "greedy":
       assert got == want
@@ -439,7 +444,7 @@ def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_
   sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"]
 
   def exponentials(shape):
-    return translator._executables[shape].as_text().count(" exponential(")
+    return translator.decoders.executables[shape].as_text().count(" exponential(")
 
   for method, options in (("greedy", {}), ("sample", dict(top_k=5, seed=1))):
     full = translator.translate_hypotheses(sentences, method=method, **options)
@@ -449,9 +454,10 @@ def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_
     assert all(math.isnan(h[0].score) and math.isnan(h[0].log_prob) for h in texts)
     assert translator.translate(sentences, method=method, **options) == [
         h[0].text for h in full]
-  pairs = [(shape, with_option(shape, "log_probs", True)) for shape in translator._executables
+  executables = translator.decoders.executables
+  pairs = [(shape, with_option(shape, "log_probs", True)) for shape in executables
            if decoder_option(shape, "log_probs") is False
-           and with_option(shape, "log_probs", True) in translator._executables]
+           and with_option(shape, "log_probs", True) in translator.decoders.executables]
   assert {shape[0] for shape, _ in pairs} == {"greedy", "sample"}
   assert all(0 < exponentials(without) < exponentials(with_) for without, with_ in pairs)
   ranked = translator.translate_hypotheses(sentences, method="sample", n_best=2, top_k=5,
@@ -462,22 +468,22 @@ def test_texts_alone_leave_the_log_probabilities_out_and_translate_the_same(run_
 def _record_padded_lengths(monkeypatch) -> list[int]:
   """A list that every Translator appends each batch's padded source length
   to as it dispatches it (first searches only, not searches again)."""
-  from transformer.decoding import translator as translator_lib
+  from transformer.decoding import decoders as decoders_lib
   lengths = []
-  dispatch = translator_lib.Translator._dispatch
+  dispatch = decoders_lib.Decoders.dispatch
 
   def recording(self, shape, inputs):
     if decoder_option(shape, "max_len") < decoder_option(shape, "search_len"):
-      lengths.append(shape[2])
+      lengths.append(shape.src_len)
     return dispatch(self, shape, inputs)
 
-  monkeypatch.setattr(translator_lib.Translator, "_dispatch", recording)
+  monkeypatch.setattr(decoders_lib.Decoders, "dispatch", recording)
   return lengths
 
 
 def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_example,
                                                                          monkeypatch):
-  """`Translator.share_buckets` (on by default on a CPU): two short inputs
+  """`Policy.share_buckets` (on by default on a CPU): two short inputs
   and a long one, a batch each, go through one decoder, the long one's
   (`batching.shared_buckets`); off, through two. Greedy search, sampling
   and beam search give the same hypotheses either way, each input's search
@@ -488,20 +494,20 @@ def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_exa
   lengths = _record_padded_lengths(monkeypatch)
   sentences = ["one cat", "forty-two red apples and seven new cars and one small cat and "
                "three old dogs and nine green birds", "seven new cars"]
-  assert translator.share_buckets
+  assert translator.policy.share_buckets
   runs = [("greedy", {}), ("sample", dict(n_best=2, top_k=5, seed=1)), ("beam", {})]
   for method, options in runs:
     options = dict(method=method, batch_size=1, concurrent_batches=1, **options)
     lengths.clear()
     shared = translator.translate_hypotheses(sentences, **options)
     buckets = len(set(lengths))
-    translator.share_buckets = False
+    translator.policy.share_buckets = False
     try:
       lengths.clear()
       own = translator.translate_hypotheses(sentences, **options)
       assert len(set(lengths)) == 2 and max(lengths) == lengths[0]  # (longest first)
     finally:
-      translator.share_buckets = True
+      translator.policy.share_buckets = True
     assert buckets == 1, method
     assert [[(h.text, h.length) for h in hyps] for hyps in shared] == [
         [(h.text, h.length) for h in hyps] for hyps in own], method
@@ -512,12 +518,11 @@ def test_a_bucket_too_small_for_a_decoder_of_its_own_shares_a_longer_one(run_exa
 
 
 def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, monkeypatch):
-  """`translator.LONGEST_FIRST`: lanes take the longest batches first (so
+  """`batch_plan.LONGEST_FIRST`: lanes take the longest batches first (so
   they end together); shortest first gives the same translations. (Buckets
   of their own: shared, these 4 inputs would all be padded to the longest.)"""
-  from transformer.decoding import translator as translator_lib
   translator = run_example(API_EXAMPLE)[0]["translator"]
-  monkeypatch.setattr(translator, "share_buckets", False)
+  monkeypatch.setattr(translator.policy, "share_buckets", False)
   lengths = _record_padded_lengths(monkeypatch)
   sentences = ["one small cat", "forty-two red apples and seven new cars and one small cat",
                "a cat", "seven new cars"]
@@ -525,7 +530,7 @@ def test_batches_are_decoded_longest_first_and_translate_the_same(run_example, m
   longest_first = translator.translate(sentences, **options)
   assert lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
   lengths.clear()
-  monkeypatch.setattr(translator_lib, "LONGEST_FIRST", False)
+  monkeypatch.setattr(batch_plan, "LONGEST_FIRST", False)
   assert translator.translate(sentences, **options) == longest_first
   assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
 

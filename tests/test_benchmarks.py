@@ -419,18 +419,15 @@ def test_batching_benchmark_shrink_sizes_follow_the_translators_ladder_by_any_fa
   replaced; the ladders by hand. No shrinking (shrink_batches off): the
   batch alone."""
   import types
-  import numpy as np
   from benchmarks import bench_batching
-  from transformer.decoding import translator as translator_lib
-  fake = types.SimpleNamespace(shrink_batches=True, mesh=types.SimpleNamespace(
-      devices=np.zeros(1)), config=types.SimpleNamespace(scan_layers=False))
-  fake._shrink = lambda shrink: translator_lib.Translator._shrink(fake, shrink)
+  from transformer.decoding import batch_plan
+  fake = types.SimpleNamespace(policy=batch_plan.Policy(devices=1, shrink_batches=True))
   assert bench_batching.shrink_sizes(fake, 128, 4) == [128, 32, 8]
   assert bench_batching.shrink_sizes(fake, 128, 2) == [128, 64, 32, 16, 8]
   assert bench_batching.shrink_sizes(fake, 32, 2) == [32, 16, 8]
   assert bench_batching.shrink_sizes(fake, 32, 4) == [32, 8]
   assert bench_batching.shrink_sizes(fake, 24, 2) == [24, 12]
-  fake.shrink_batches = False
+  fake.policy.shrink_batches = False
   assert bench_batching.shrink_sizes(fake, 128, 2) == [128]
 
 

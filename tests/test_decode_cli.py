@@ -120,7 +120,7 @@ def runs(workdir, env, tmp_path_factory):
     return beam, n_best
 
   def greedy_then_sample():
-    # --max_len a multiple of loops.EARLY_EXIT_CHUNK: one loop body to compile.
+    # --max_len a multiple of options.EARLY_EXIT_CHUNK: one loop body to compile.
     greedy = run_decode(env, f"--workdir={workdir}", f"--input={with_long}",
                         "--method=greedy", "--max_len=24", "--quiet")
     sample = run_decode(env, f"--workdir={workdir}", "--method=sample", "--top_k=1",
@@ -385,8 +385,8 @@ def recording_init(self, *args, **kwargs):
 translation.Translator.__init__ = recording_init
 real_exit = os._exit
 def report_then_exit(code):
-  print(json.dumps([[translation._decoder_option(shape, name) for name in ("max_len", "search_len",
-                     "small")] for t in made for shape in t._executables]), file=sys.stderr,
+  print(json.dumps([[getattr(shape, name) for name in ("max_len", "search_len", "small")]
+                    for t in made for shape in t.decoders.executables]), file=sys.stderr,
         flush=True)
   real_exit(code)
 os._exit = report_then_exit
@@ -454,9 +454,9 @@ def test_large_batches_run_computations_on_the_threads_that_call_them(workdir, e
   which decodes a lane of batches, allocates their temporaries from its heap
   (host_memory.py); smaller batches keep it, and so does decode.py imported
   as a module."""
-  import decode
+  from transformer.decoding import command
   from transformer.runtime import host_memory
-  assert decode.CALLING_THREAD_MIN_ROWS == 512
+  assert command.CALLING_THREAD_MIN_ROWS == 512
 
   def async_dispatch(*flags) -> bool:
     result = subprocess.run(

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 from pathlib import Path
 
 import numpy as np
@@ -115,19 +114,19 @@ def test_batches_decoded_side_by_side_translate_as_one_at_a_time(fixture_transla
   """`concurrent_batches`: threads take the batches in turn and decode them
   side by side. Every method gives what one batch at a time gives (texts,
   scores, order, blank lines), and the batches really went through several
-  threads, the calling thread one of them (`Translator._decode_in_lanes`:
+  threads, the calling thread one of them (`runner._decode_in_lanes`:
   decode.py's main thread then keeps its batches' temporaries)."""
   import jax
   translator = fixture_translator
   pairs = demo_task.demo_splits(3, num_train=200, num_eval=1, num_test=1)["train"]
   sentences = [s for s, _ in pairs[:45]] + ["", pairs[45][0] + " " + pairs[46][0]]
   threads = []
-  dispatch = translator._dispatch
+  dispatch = translator.decoders.dispatch
 
   def recording(shape, inputs):
     threads.append(threading.current_thread().name)
     return dispatch(shape, inputs)
-  monkeypatch.setattr(translator, "_dispatch", recording)
+  monkeypatch.setattr(translator.decoders, "dispatch", recording)
   runs = [dict(method="greedy"), dict(method="beam", n_best=2),
           dict(method="sample", n_best=2, top_k=5, seed=3)]
   with jax.default_matmul_precision("highest"):
@@ -153,14 +152,14 @@ def test_an_error_in_one_of_the_side_by_side_batches_reaches_the_caller(fixture_
   sentences = [s for s, _ in demo_task.demo_splits(3, num_train=60, num_eval=1,
                                                    num_test=1)["train"][:40]]
   calls = []
-  dispatch = translator._dispatch
+  dispatch = translator.decoders.dispatch
 
   def failing(shape, inputs):
     calls.append(shape)
     if len(calls) == 2:
       raise RuntimeError("out of memory (a test)")
     return dispatch(shape, inputs)
-  monkeypatch.setattr(translator, "_dispatch", failing)
+  monkeypatch.setattr(translator.decoders, "dispatch", failing)
   with pytest.raises(RuntimeError, match="a test"):
     translator.translate(sentences, method="greedy", batch_size=4, concurrent_batches=2)
   assert len(calls) < 10  # (the other lane stopped: 10 batches in all)
@@ -168,13 +167,13 @@ def test_an_error_in_one_of_the_side_by_side_batches_reaches_the_caller(fixture_
 
 def test_concurrent_batches_by_default_one_per_cpu_core(fixture_translator, monkeypatch):
   import jax
-  from transformer.decoding import translator as translation
+  from transformer.decoding import runner
   translator = fixture_translator
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
   assert translator.default_concurrent_batches() == 6
   monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-  assert translator.default_concurrent_batches() == translation.MAX_CONCURRENT_BATCHES == 8
-  monkeypatch.setattr(translator, "mesh", types.SimpleNamespace(devices=np.zeros(16)))
+  assert translator.default_concurrent_batches() == runner.MAX_CONCURRENT_BATCHES == 8
+  monkeypatch.setattr(translator.decoders, "devices", 16)
   assert translator.default_concurrent_batches() == 4  # (64 cores over 16 devices)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert translator.default_concurrent_batches() == 1

@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 from transformer.decoding import sampling, search as decoding
-from transformer.decoding import loops
+
+from transformer.decoding import beam_search as beam_lib
+from transformer.decoding import loops, options
 from transformer.decoding import top_k as top_k_lib
 
 try:
@@ -244,7 +246,7 @@ def test_beam_search_covering_the_space_equals_brute_force(vocab, max_len,
   rng = np.random.default_rng(0)
   table[:, 1:][rng.random((N_STATES, vocab - 1)) < holes] = -np.inf
   offsets = [3, 58]
-  seqs, scores = run(decoding.beam_search, table, offsets, max_len=max_len,
+  seqs, scores = run(beam_lib.beam_search, table, offsets, max_len=max_len,
                      beam_size=beam_size, length_penalty=alpha, bos_id=bos_id,
                      eos_id=eos_id, min_len=min_len)
   assert seqs.shape == (2, beam_size, max_len) and seqs.dtype == np.int32
@@ -262,7 +264,7 @@ def test_beam_search_covering_the_space_equals_brute_force(vocab, max_len,
 def test_beam_search_hand_computed_scores():
   """2 beams, 3 steps on the Markov model; the arithmetic is in the comments."""
   def beam(alpha, min_len=0):
-    return run_markov(decoding.beam_search, beam_size=2, length_penalty=alpha,
+    return run_markov(beam_lib.beam_search, beam_size=2, length_penalty=alpha,
                       max_len=3, bos_id=BOS, eos_id=EOS, min_len=min_len)
 
   lp2, lp3 = (7 / 6) ** 0.6, (8 / 6) ** 0.6
@@ -320,7 +322,7 @@ def test_beam_size_one_equals_greedy():
   assert finished.any() and not finished.all()  # Both cases are covered.
   lengths = np.where(finished, np.argmax(g_seqs == eos_id, axis=1) + 1, MAX_LEN)
   for alpha in (0.0, 0.6):
-    b_seqs, b_scores = run(decoding.beam_search, table, OFFSETS, beam_size=1,
+    b_seqs, b_scores = run(beam_lib.beam_search, table, OFFSETS, beam_size=1,
                            length_penalty=alpha, **kw)
     np.testing.assert_array_equal(b_seqs[:, 0], g_seqs)
     np.testing.assert_allclose(b_scores[:, 0], g_scores / gnmt_lp(lengths, alpha),
@@ -333,7 +335,7 @@ def test_beam_search_scores_and_layout_are_consistent():
   bos_id, eos_id, alpha, min_len = 1, 9, 0.6, 2
   table = random_table(7, VOCAB)
   table[:, eos_id] += 0.5  # Let some, not all, hypotheses finish.
-  seqs, scores = run(decoding.beam_search, table, OFFSETS, max_len=MAX_LEN,
+  seqs, scores = run(beam_lib.beam_search, table, OFFSETS, max_len=MAX_LEN,
                      beam_size=3, length_penalty=alpha, bos_id=bos_id,
                      eos_id=eos_id, min_len=min_len)
   assert np.isfinite(scores).all()
@@ -365,9 +367,9 @@ def test_beam_search_batch_rows_are_independent():
   read another input's cache (see also test_rows_do_not_depend_on_each_other)."""
   table = random_table(11, VOCAB)
   kw = dict(max_len=MAX_LEN, beam_size=3, bos_id=0, eos_id=3, min_len=1)
-  seqs, scores = run(decoding.beam_search, table, OFFSETS, **kw)
+  seqs, scores = run(beam_lib.beam_search, table, OFFSETS, **kw)
   perm = np.random.default_rng(0).permutation(len(OFFSETS))
-  p_seqs, p_scores = run(decoding.beam_search, table,
+  p_seqs, p_scores = run(beam_lib.beam_search, table,
                          [OFFSETS[i] for i in perm], **kw)
   np.testing.assert_array_equal(p_seqs, seqs[perm])
   np.testing.assert_allclose(p_scores, scores[perm], rtol=1e-6)
@@ -396,9 +398,9 @@ def test_beam_search_early_exit_changes_nothing(table_seed, alpha, min_len, eos_
   kw = dict(max_len=max_len, beam_size=4, length_penalty=alpha, bos_id=0,
             eos_id=eos_id, min_len=min_len)
   kept = 4 if n_best is None else n_best
-  fast = run(decoding.beam_search, table, OFFSETS, early_exit=True,
+  fast = run(beam_lib.beam_search, table, OFFSETS, early_exit=True,
              **({} if n_best is None else dict(n_best=n_best)), **kw)
-  full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
+  full = run(beam_lib.beam_search, table, OFFSETS, early_exit=False, **kw)
   np.testing.assert_array_equal(fast[0][:, :kept], full[0][:, :kept])
   np.testing.assert_array_equal(fast[1][:, :kept], full[1][:, :kept])
 
@@ -420,10 +422,10 @@ def test_beam_search_done_in_a_first_part_is_what_the_whole_search_gives(
   table = random_table(table_seed, VOCAB)
   table[:, eos_id] += eos_bias
   kw = dict(beam_size=4, length_penalty=alpha, bos_id=0, eos_id=eos_id)
-  whole_seqs, whole_scores = run(decoding.beam_search, table, OFFSETS, max_len=max_len,
+  whole_seqs, whole_scores = run(beam_lib.beam_search, table, OFFSETS, max_len=max_len,
                                  early_exit=False, **kw)
   kw.update(n_best=n_best)
-  seqs, scores, done = run(decoding.beam_search, table, OFFSETS, max_len=first,
+  seqs, scores, done = run(beam_lib.beam_search, table, OFFSETS, max_len=first,
                            bound_len=max_len, return_done=True,
                            shrink=SHRINK if shrink else None, **kw)
   assert done.dtype == bool and 0 < done.sum() < len(OFFSETS)
@@ -438,7 +440,7 @@ def test_beam_search_done_in_a_first_part_is_what_the_whole_search_gives(
 
 def test_beam_search_rejects_a_bound_shorter_than_its_steps():
   with pytest.raises(ValueError, match="bound_len=4 must be at least max_len=8"):
-    decoding.beam_search(lambda ids, cache: None, {}, batch_size=1, max_len=8, bound_len=4,
+    beam_lib.beam_search(lambda ids, cache: None, {}, batch_size=1, max_len=8, bound_len=4,
                          bos_id=0, eos_id=1)
 
 
@@ -450,8 +452,8 @@ def test_beam_stop_current_is_exact_when_longer_outputs_gain_nothing(alpha):
   table = random_table(300, VOCAB)
   table[:, eos_id] += 1.5
   kw = dict(max_len=max_len, beam_size=4, length_penalty=alpha, bos_id=0, eos_id=eos_id)
-  fast = run(decoding.beam_search, table, OFFSETS, stop="current", n_best=1, **kw)
-  full = run(decoding.beam_search, table, OFFSETS, early_exit=False, **kw)
+  fast = run(beam_lib.beam_search, table, OFFSETS, stop="current", n_best=1, **kw)
+  full = run(beam_lib.beam_search, table, OFFSETS, early_exit=False, **kw)
   np.testing.assert_array_equal(fast[0][:, 0], full[0][:, 0])
   np.testing.assert_array_equal(fast[1][:, 0], full[1][:, 0])
 
@@ -472,11 +474,11 @@ def test_beam_stop_current_gives_up_a_longer_better_hypothesis():
   probs[b, [b, eos]] = [0.5, 0.5]
   probs[pad, eos] = probs[eos, eos] = 1.0
   log_table = jnp.asarray(np.log(probs / probs.sum(1, keepdims=True)), jnp.float32)
-  max_len = loops.EARLY_EXIT_CHUNK + 1  # The first check comes after step 1.
+  max_len = options.EARLY_EXIT_CHUNK + 1  # The first check comes after step 1.
   alpha = 2.0
 
   def search(stop, early_exit=True):
-    fn = lambda cache: decoding.beam_search(
+    fn = lambda cache: beam_lib.beam_search(
         make_markov_model(log_table), cache, batch_size=1, beam_size=1, max_len=max_len,
         length_penalty=alpha, bos_id=bos, eos_id=eos, early_exit=early_exit, stop=stop)
     cache = dict(index=jnp.int32(0), offset=jnp.zeros((1,), jnp.int32))
@@ -496,7 +498,7 @@ def test_beam_stop_current_gives_up_a_longer_better_hypothesis():
 def test_beam_search_rejects_n_best_and_stop_out_of_range():
   for bad in (dict(n_best=0), dict(n_best=5), dict(stop="soon")):
     with pytest.raises(ValueError, match=next(iter(bad))):
-      decoding.beam_search(make_markov_model(jnp.zeros((5, 5))),
+      beam_lib.beam_search(make_markov_model(jnp.zeros((5, 5))),
                            dict(index=jnp.int32(0), offset=jnp.zeros((1,), jnp.int32)),
                            batch_size=1, beam_size=4, max_len=4, bos_id=1, eos_id=2, **bad)
 
@@ -506,7 +508,7 @@ def test_early_exit_stops_decoding():
   that (checks come after the max_len % chunk leftover steps, then every
   chunk)."""
   eos_id, max_len = 3, 42
-  chunk = loops.EARLY_EXIT_CHUNK
+  chunk = options.EARLY_EXIT_CHUNK
   leftover = max_len % chunk
   expected_calls = leftover + chunk * math.ceil(max(0, 3 - leftover) / chunk)
   assert expected_calls < max_len
@@ -521,10 +523,10 @@ def test_early_exit_stops_decoding():
     jax.effects_barrier()
     return np.asarray(seqs), len(calls)
 
-  seqs, calls = count_calls(decoding.beam_search, beam_size=4)
+  seqs, calls = count_calls(beam_lib.beam_search, beam_size=4)
   assert (seqs[:, :, 2] == eos_id).all()
   assert calls == expected_calls
-  _, calls = count_calls(decoding.beam_search, beam_size=4, early_exit=False)
+  _, calls = count_calls(beam_lib.beam_search, beam_size=4, early_exit=False)
   assert calls == max_len
   seqs, calls = count_calls(decoding.greedy_search)  # Sampling shares its loop.
   assert (seqs[:, 2] == eos_id).all() and calls == expected_calls
@@ -534,7 +536,7 @@ def test_early_exit_stops_decoding():
 def test_beam_search_rejects_a_cache_without_the_batch_on_axis_0():
   cache = dict(index=jnp.int32(0), history=jnp.zeros((5, 3), jnp.int32))
   with pytest.raises(ValueError, match=r"\['history'\].*axis 0"):
-    decoding.beam_search(make_markov_model(None), cache, batch_size=2,
+    beam_lib.beam_search(make_markov_model(None), cache, batch_size=2,
                          max_len=3, bos_id=BOS, eos_id=EOS)
 
 
@@ -739,7 +741,7 @@ def test_sampling_at_temperature_zero_is_greedy():
 STRATEGIES = {
     "greedy": (decoding.greedy_search, {}),
     "sample": (sampling.sample, dict(rng=jax.random.key(5))),
-    "beam": (decoding.beam_search, dict(beam_size=3)),
+    "beam": (beam_lib.beam_search, dict(beam_size=3)),
 }
 
 
@@ -904,13 +906,13 @@ def test_beam_search_row_limits_bound_a_first_part_at_each_input_s_length(
   table[:, eos_id] += eos_bias
   kw = dict(beam_size=4, length_penalty=alpha, bos_id=0, eos_id=eos_id)
   limits = np.array([10, 30] * 6, np.int32)
-  seqs, scores, done = run(decoding.beam_search, table, OFFSETS, max_len=first,
+  seqs, scores, done = run(beam_lib.beam_search, table, OFFSETS, max_len=first,
                            row_limits=jnp.asarray(limits), return_done=True, n_best=n_best,
                            **kw)
   assert 0 < done.sum() < len(OFFSETS)
   changed = 0
   for limit in (10, 30):
-    whole_seqs, whole_scores = run(decoding.beam_search, table, OFFSETS, max_len=limit,
+    whole_seqs, whole_scores = run(beam_lib.beam_search, table, OFFSETS, max_len=limit,
                                    early_exit=False, **kw)
     for b in np.flatnonzero(limits == limit):
       same = (np.array_equal(seqs[b, :n_best], whole_seqs[b, :n_best, :first])

@@ -18,7 +18,7 @@ from jax.experimental.compilation_cache import compilation_cache as cc
 
 from helpers import CACHE_SETTINGS
 from transformer.decoding import executable_cache, loader
-from transformer.decoding import translator as translator_lib
+from transformer.decoding import decoders as decoders_lib
 from transformer.model import transformer as model_lib
 
 FIXTURE_WORKDIR = Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb"
@@ -46,7 +46,7 @@ def _translate(**options):
   """SENTENCES in two batches (of 2) of two lengths: two decoders (buckets
   of their own: shared, so few inputs would all go to the longer one)."""
   translator = loader.load_translator(str(FIXTURE_WORKDIR))
-  translator.share_buckets = False
+  translator.policy.share_buckets = False
   out = translator.translate(SENTENCES, batch_size=2, **options)
   return out, translator.last_stats
 
@@ -54,7 +54,7 @@ def _translate(**options):
 def _never_trace(monkeypatch):
   def fail(*args, **kwargs):
     raise AssertionError("a decoder was traced")
-  monkeypatch.setattr(translator_lib.Translator, "_decode_fn", fail)
+  monkeypatch.setattr(decoders_lib.Decoders, "program", fail)
 
 
 def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
@@ -66,7 +66,7 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
   assert len(list(cache_dir.glob("*.shapes"))) == 1  # the parameters' shapes
   _never_trace(monkeypatch)
   monkeypatch.setattr(model_lib, "init_params", lambda *a: pytest.fail("the model was traced"))
-  monkeypatch.setattr(translator_lib.Translator, "_logits_kernel_program",
+  monkeypatch.setattr(decoders_lib.Decoders, "_logits_kernel_program",
                       lambda self: pytest.fail("the output projection was traced"))
   second, stats = _translate(method="beam")
   assert second == first and stats["decoders_loaded"] == 2
@@ -75,22 +75,22 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
 
 def test_decoders_are_prepared_side_by_side_and_translate_the_same(monkeypatch):
   """The decoders one call needs (here two batch shapes) are compiled in
-  threads of their own, one per core (`Translator._prepare_all`); with one
+  threads of their own, one per core (`Decoders.prepare_all`); with one
   core, one after the other: the same translations."""
   import threading
   threads = []
-  prepare = translator_lib.Translator._prepare
+  prepare = decoders_lib.Decoders.prepare
 
   def recording(self, shape, inputs):
     threads.append(threading.current_thread().name)
     return prepare(self, shape, inputs)
 
-  monkeypatch.setattr(translator_lib.Translator, "_prepare", recording)
-  monkeypatch.setattr(translator_lib, "available_cores", lambda: 2)
+  monkeypatch.setattr(decoders_lib.Decoders, "prepare", recording)
+  monkeypatch.setattr(decoders_lib, "available_cores", lambda: 2)
   side_by_side, _ = _translate(method="greedy")
   assert len(threads) == 2 and all(name.startswith("compile") for name in threads)
   threads.clear()
-  monkeypatch.setattr(translator_lib, "available_cores", lambda: 1)
+  monkeypatch.setattr(decoders_lib, "available_cores", lambda: 1)
   one_by_one, _ = _translate(method="greedy")
   assert threads == [threading.main_thread().name] * 2
   assert one_by_one == side_by_side

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer.decoding.batch_plan import DecoderShape
 from transformer.model import kv_cache
 from transformer.model import transformer as M
 
@@ -365,6 +366,7 @@ def test_beam_search_with_in_place_cache_equals_full_forward_search():
   ancestry table): the search must equal one that re-runs the full forward
   pass over each hypothesis' tokens, reordered by the generic gather."""
   from transformer.decoding import search as decoding
+  from transformer.decoding import beam_search as beam_lib
   from transformer.decoding.translator import Translator
   # Pre-LN and larger random weights: hypotheses that differ, so beams are
   # reordered (at initialisation a post-LN model says nearly the same thing
@@ -380,20 +382,22 @@ def test_beam_search_with_in_place_cache_equals_full_forward_search():
   common = dict(batch_size=batch, max_len=max_len, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
                 min_len=min_len)
   want_seqs, want_scores = jax.jit(functools.partial(
-      decoding.beam_search, tokens_to_logits, beam_size=beams, length_penalty=0.6,
+      beam_lib.beam_search, tokens_to_logits, beam_size=beams, length_penalty=0.6,
       **common), compiler_options=FAST_COMPILE)(init(src))
   assert len({tuple(s) for s in np.asarray(want_seqs).reshape(-1, max_len)}) > batch
 
   translator = Translator(cfg, params, tokenizer=None)
-  decode = translator._decode_fn("beam", batch, src.shape[1], max_len, beams, 0)
+  decode = translator.decoders.program(
+      DecoderShape("beam", batch, src.shape[1], max_len, beams, 0))
   rows, limits = np.zeros(batch, np.int32), np.full(batch, max_len, np.int32)
-  seqs, scores, _ = decode(translator.params, translator.logits_kernel, np.asarray(src),
+  seqs, scores, _ = decode(translator.params, translator.decoders.logits_kernel, np.asarray(src),
                            jax.random.key(0), rows, rows, limits, 0.6, 1.0, 1.0, min_len, ())
   np.testing.assert_array_equal(seqs, want_seqs)
   np.testing.assert_allclose(scores, want_scores, rtol=1e-5)
 
-  greedy = translator._decode_fn("greedy", batch, src.shape[1], max_len, 1, 0)
-  seqs, scores, _ = greedy(translator.params, translator.logits_kernel, np.asarray(src),
+  greedy = translator.decoders.program(
+      DecoderShape("greedy", batch, src.shape[1], max_len, 1, 0))
+  seqs, scores, _ = greedy(translator.params, translator.decoders.logits_kernel, np.asarray(src),
                            jax.random.key(0), rows, rows, limits, 0.6, 1.0, 1.0, min_len, ())
   want_seqs, want_scores = jax.jit(functools.partial(
       decoding.greedy_search, tokens_to_logits, **common),
@@ -637,16 +641,17 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
   (`early_exit=False`, no shrinking), tokens and scores."""
   from transformer.data import demo_task
   from transformer.decoding import loader
-  from transformer.decoding import batching, translator as translator_lib
-  monkeypatch.setattr(translator_lib, "SHRINK_FACTOR", 2)
-  monkeypatch.setattr(translator_lib, "SHRINK_MIN_ROWS", 2)
+  from transformer.decoding import batch_plan, batching, translator as translator_lib
+  monkeypatch.setattr(batch_plan, "SHRINK_FACTOR", 2)
+  monkeypatch.setattr(batch_plan, "SHRINK_MIN_ROWS", 2)
   fixture = loader.load_translator(str(REPO / "tests" / "fixtures" / "workdir_d26a6fb"))
   cfg, params = fixture.config, fixture.params
   if scan_layers:
     cfg = dataclasses.replace(cfg, scan_layers=True)
     params = stack_layers(params, cfg)
   translator = translator_lib.Translator(cfg, params, fixture.tokenizer)
-  assert translator._shrink(True).sizes(8) == [8, 4, 2]
+  shrink = translator.decoders.shrink(DecoderShape("greedy", 8, 8, 24, 1, 0))
+  assert shrink.sizes(8) == [8, 4, 2]
   pairs = demo_task.demo_splits(4, num_train=200, num_eval=1, num_test=1)["train"]
   sentences = sorted({s for s, _ in pairs}, key=len)
   # Short and long interleaved, 5 + 3: the rows kept are the 3 unfinished
@@ -661,9 +666,10 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
     for method in ("greedy",) if scan_layers else ("greedy", "beam"):
       out = {}
       for early_exit in (True, False):
-        decode = translator._decode_fn(method, 8, src_len, 24, 4, 0, early_exit)
+        decode = translator.decoders.program(
+            DecoderShape(method, 8, src_len, 24, 4, 0, early_exit))
         out[early_exit] = jax.device_get(decode(
-            translator.params, translator.logits_kernel, inputs, jax.random.key(0), rows,
+            translator.params, translator.decoders.logits_kernel, inputs, jax.random.key(0), rows,
             rows, np.full(8, 24, np.int32), 0.6, 1.0, 1.0, 0, ()))
       np.testing.assert_array_equal(out[True][0], out[False][0], err_msg=method)
       np.testing.assert_allclose(out[True][1], out[False][1], rtol=1e-5, err_msg=method)
@@ -697,8 +703,8 @@ def test_a_translator_with_bfloat16_weights_translates_as_float32(caplog, monkey
             == float32.translate(sentences, batch_size=8, **options)), options
   # The activations go into the products as bfloat16 (`Dense(matmul_dtype=)`).
   to_bfloat16 = re.compile(r"= bf16\[[0-9,]*\]\S* convert\(")
-  assert to_bfloat16.search(next(iter(bfloat16._executables.values())).as_text())
-  assert not to_bfloat16.search(next(iter(float32._executables.values())).as_text())
+  assert to_bfloat16.search(next(iter(bfloat16.decoders.executables.values())).as_text())
+  assert not to_bfloat16.search(next(iter(float32.decoders.executables.values())).as_text())
 
   monkeypatch.setattr(executable_cache, "host_cpu_flags", lambda: {"avx2", "fma"})
   with caplog.at_level(logging.WARNING, logger=translator_lib.__name__):

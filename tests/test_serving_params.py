@@ -16,6 +16,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from etils import epath
 from jax.experimental.compilation_cache import compilation_cache as cc
 
 from helpers import CACHE_SETTINGS
@@ -160,12 +161,14 @@ def test_bfloat16_and_other_dtypes_come_back_as_they_went(cache, tmp_path):
   def restore():
     made.append(1)
     return params, {"kind": "averaged"}
-  serving_params.load(workdir, "averaged", target, restore)
-  got, info = serving_params.load(workdir, "averaged", target, restore)
+  model = workdir_lib.Workdir(path=epath.Path(workdir), model_config=None, vocab_path="",
+                              checkpoint="averaged", checkpoint_note=None, imported=None)
+  serving_params.load(model, target, restore)
+  got, info = serving_params.load(model, target, restore)
   assert made == [1] and info == {"kind": "averaged"}
   assert_same_arrays(got, jax.tree.map(np.asarray, params))
   other = dict(target, b=jax.ShapeDtypeStruct((5,), np.int32))  # another model: not this copy
-  serving_params.load(workdir, "averaged", other, restore)
+  serving_params.load(model, other, restore)
   assert made == [1, 1]
 
 

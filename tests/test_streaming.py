@@ -193,9 +193,9 @@ def test_beam_scores_are_log_probs_over_the_length_penalty(translator):
 
 
 def test_batches_by_tokens_translate_as_batches_by_sentences(translator):
-  rows = translator._batch_rows(32, 1, batch_tokens=256, src_len=16)
+  rows = translator.policy.batch_rows(32, 1, batch_tokens=256, src_len=16)
   assert rows == 16
-  assert translator._batch_rows(32, 1, batch_tokens=256, src_len=64) == 4
+  assert translator.policy.batch_rows(32, 1, batch_tokens=256, src_len=64) == 4
   by_tokens = translator.translate(SENTENCES, method="greedy", batch_tokens=40)
   assert by_tokens == translator.translate(SENTENCES, method="greedy", batch_size=3)
 
@@ -203,8 +203,8 @@ def test_batches_by_tokens_translate_as_batches_by_sentences(translator):
 def _decoder_hlo(translator, temperature: float, top_p: float) -> str:
   options = dict(method="sample", top_k=0, temperature=temperature, top_p=top_p, seed=0)
   translator.translate_hypotheses(["one small cat"], **options)
-  shape = [s for s in translator._executables if s[0] == "sample"][-1]
-  return translator._executables[shape].as_text()
+  shape = [s for s in translator.decoders.executables if s.method == "sample"][-1]
+  return translator.decoders.executables[shape].as_text()
 
 
 def test_temperature_and_top_p_cost_nothing_when_off(translator):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from transformer.decoding import options as decoding_options
-from transformer.decoding import batching, loops, output, translator as translation
+from transformer.decoding import batching, options, output, translator as translation
 from transformer.runtime import errors
 
 
@@ -239,7 +239,7 @@ def test_summary_line():
 ])
 def test_first_search_length_is_the_source_and_half_of_it_at_least_16_more(
     src_len, out_len, min_len, first):
-  assert loops.EARLY_EXIT_CHUNK == 2 and batching.FIRST_SEARCH_EXTRA == 16
+  assert options.EARLY_EXIT_CHUNK == 2 and batching.FIRST_SEARCH_EXTRA == 16
   assert batching.first_search_length(src_len, out_len, min_len) == first
 
 

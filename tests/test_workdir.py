@@ -233,3 +233,37 @@ def test_with_two_processes_process_0_locks_and_both_follow(tmp_path, held_by_an
       assert f"PID {os.getpid()} on host {socket.gethostname()}" in lines[0], out
     else:
       assert lines == ["held"], out
+
+
+def test_a_trained_workdir_is_read_once_into_a_value(tmp_path, monkeypatch):
+  """`workdir.read`: the path resolved once (absolute, from a relative one),
+  the model config as model_config.json says, the vocabulary, the checkpoint
+  chosen by `choose` (called once, with the resolved path and the parsed
+  choice) and the import record; None asks for no checkpoint (nothing
+  listed). A missing workdir names itself and what to do."""
+  import shutil
+  source = Path(__file__).parent / "fixtures" / "workdir_d26a6fb"
+  shutil.copytree(source, tmp_path / "run")
+  monkeypatch.chdir(tmp_path)
+  calls = []
+
+  def choose(path, checkpoint):
+    calls.append((path, checkpoint))
+    return 600, "a note"
+  model = workdir.read("run", "600", choose=choose)
+  assert str(model.path) == str(tmp_path / "run") and model.path.is_absolute()
+  assert calls == [(model.path, 600)]
+  stored = json.loads((source / "model_config.json").read_text())
+  assert model.model_config == TransformerConfig.from_dict(stored)
+  assert model.vocab_path == str(tmp_path / "run" / "vocab.model")
+  assert (model.checkpoint, model.checkpoint_note, model.imported) == (600, "a note", None)
+  assert model.described_checkpoint == "step 600"
+  listed = workdir.read("run", "auto")  # (the default: the checkpoints listed with orbax)
+  assert (listed.checkpoint, listed.checkpoint_note) == ("averaged", None)
+  (tmp_path / "run" / workdir.IMPORT_FILE).write_text('{"imported_from": "opus-mt-x"}')
+  assert workdir.read("run", None, choose=choose).imported == {"imported_from": "opus-mt-x"}
+  assert len(calls) == 1 and workdir.read("run", None).checkpoint is None
+  with pytest.raises(FileNotFoundError, match="workdir gone does not exist; train a model"):
+    workdir.read("gone")
+  with pytest.raises(OptionError, match="checkpoint"):
+    workdir.read("run", "newest")

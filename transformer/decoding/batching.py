@@ -13,7 +13,7 @@ inputs in batches shaped here:
   3. `pack_batch` / `unpack_hypotheses`: inputs into a batch's rows (one row
      per sample with `copies` > 1), and the decoder's rows back into each
      input's hypotheses.
-Plain Python and numpy (of the decoding loops, only `loops.EARLY_EXIT_CHUNK`
+Plain Python and numpy (of the decoding options, only `EARLY_EXIT_CHUNK`
 is read): the rules can be read and tested apart from the model.
 """
 
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from transformer.decoding import loops
+from transformer.decoding import options
 
 MIN_BUCKET = 8
 # A batch first decodes its padded source length plus half of it, at least 16
@@ -115,7 +115,7 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   would let the short ones end a batch of their own (1,000 gettext lines
   greedy at 128: 105 inputs padded from 16 to 64 tokens, decoded 7-12%
   slower). Greedy search and sampling only, on a CPU
-  (`Translator.cut_least_padding`): beam search's batches decoded 3% slower
+  (`batch_plan.Policy.cut_least_padding`): beam search's batches decoded 3% slower
   cut so (their longest inputs, fewer to a batch, no longer fit the sizes
   it shrinks to; docs/decoding.md)."""
   shared = shared or {}
@@ -192,10 +192,10 @@ def first_search_length(src_len: int, out_len: int, min_len: int) -> int:
   A step reads its whole cache, which is as long as the steps decoded: the
   default out_len (the source + 50) is 2.4x this for sources of 8 tokens,
   1.7x for 16. The inputs not finished by then are searched again in full
-  (`Translator._search_again_shape`): a translation 1.5x its source's padded
+  (`batch_plan.search_again_shape`): a translation 1.5x its source's padded
   length is rare."""
   first = min_len + src_len + max(FIRST_SEARCH_EXTRA, src_len // 2)
-  return min(out_len, round_up(first, loops.EARLY_EXIT_CHUNK))
+  return min(out_len, round_up(first, options.EARLY_EXIT_CHUNK))
 
 
 def pack_batch(inputs: Sequence[list[int]], rows: int, length: int, copies: int) -> np.ndarray:

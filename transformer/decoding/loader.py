@@ -1,11 +1,16 @@
-"""The one loader: a Translator from a workdir written by train.py (the model
-config, the vocabulary and the checkpoint chosen by `workdir.resolve_checkpoint`,
+"""The one loader: a Translator from a workdir written by train.py.
+
+The workdir is read once (`read_workdir`: `workdir.read`, its checkpoint
+chosen through the record an earlier decode kept, `serving_params.resolve`)
+into a `workdir.Workdir` value; the parameters of the checkpoint it chose are
 restored with orbax, or read from the serving copy an earlier load kept while
-the checkpoints are unchanged: `serving_params.py`)."""
+the checkpoints are unchanged (`serving_params.load`); then the Translator.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import numpy as np
@@ -15,19 +20,31 @@ from transformer import model
 from transformer.data.tokenizer import load_tokenizer
 from transformer.decoding import executable_cache, serving_params
 from transformer.decoding.translator import Translator
-from transformer.runtime import multihost, parallel
-from transformer.runtime.workdir import check_files, load_model_config, vocab_path
+from transformer.runtime import parallel
+from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 
 
-def load_translator(workdir: str, checkpoint: str | int = "auto", *,
-                    with_info: bool = False, param_sharding: str = "replicated",
-                    weights_dtype: str | None = None):
+def read_workdir(workdir: str | os.PathLike, checkpoint: str | int = "auto"
+                 ) -> workdir_lib.Workdir:
+  """`workdir` read once for decoding (`workdir.read`): checkpoint "auto"
+  (the averaged checkpoint if any and not stale, else the latest),
+  "averaged", "latest" or a step, chosen from the record an earlier decode
+  kept while the checkpoints are unchanged (`serving_params.resolve`).
+  Nothing is loaded. Raises what `workdir.read` raises."""
+  return workdir_lib.read(workdir, checkpoint, choose=serving_params.resolve)
+
+
+def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
+                    checkpoint: str | int = "auto", *, with_info: bool = False,
+                    param_sharding: str = "replicated", weights_dtype: str | None = None):
   """A Translator for a workdir written by train.py.
 
   Args:
-    workdir: holds model_config.json, the vocabulary and checkpoints.
+    workdir: holds model_config.json, the vocabulary and checkpoints; or
+      the `Workdir` value `read_workdir` made of it (then `checkpoint` is the
+      one it chose).
     checkpoint: "auto" (the averaged checkpoint if any, else the latest),
       "averaged", "latest", or a step number.
     with_info: also return what was loaded: `averaging.load_params`' info
@@ -44,13 +61,12 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     and what to do; ValueError for files that cannot be read (OptionError for
     a `checkpoint` that is no choice).
   """
-  check_files(workdir)
-  workdir = str(multihost.resolve(workdir))  # orbax restores only from absolute paths
-  which, note = serving_params.resolve(workdir, checkpoint)
-  if note:
-    logger.warning("%s", note)
-  model_config = load_model_config(workdir)
-  tokenizer = load_tokenizer(vocab_path(workdir))
+  if not isinstance(workdir, workdir_lib.Workdir):
+    workdir = read_workdir(workdir, checkpoint)
+    if workdir.checkpoint_note:
+      logger.warning("%s", workdir.checkpoint_note)
+  model_config = workdir.model_config
+  tokenizer = load_tokenizer(workdir.vocab_path)
   # The parameters' shapes, traced from the model once and then kept with the
   # compiled decoders (a trace of the whole model at every start otherwise;
   # `model.init_params` is imported only then: `transformer.model.__getattr__`;
@@ -63,21 +79,21 @@ def load_translator(workdir: str, checkpoint: str | int = "auto", *,
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=sharding),
                           target, parallel.state_shardings(target, mesh, "fsdp"))
-    params, info = _restore(workdir, which, target)
+    params, info = _restore(workdir, target)
   else:  # (a copy kept by the last load, while the checkpoints are unchanged)
-    params, info = serving_params.load(workdir, which, target,
-                                       lambda: _restore(workdir, which, target))
+    params, info = serving_params.load(workdir, target, lambda: _restore(workdir, target))
   translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding,
                           weights_dtype=weights_dtype)
   return (translator, info) if with_info else translator
 
 
-def _restore(workdir: str, which: str | int, target) -> tuple[dict, dict]:
-  """(params, info): checkpoint `which` ("averaged" or a step) of `workdir`,
-  restored with orbax into `target`."""
+def _restore(workdir: workdir_lib.Workdir, target) -> tuple[dict, dict]:
+  """(params, info): the checkpoint `workdir` chose, restored with orbax into
+  `target`."""
   from transformer.runtime import averaging  # (orbax, 0.2 s: not for a serving copy)
   try:
-    return averaging.load_params(workdir, target, which=which, with_info=True)
+    return averaging.load_params(str(workdir.path), target, which=workdir.checkpoint,
+                                 with_info=True)
   except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
     raise FileNotFoundError(f"cannot load the parameters: {e}") from e
   except ValueError as e:

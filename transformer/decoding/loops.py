@@ -23,16 +23,7 @@ from jax import lax
 
 PyTree = Any
 
-# Decode steps run between two "is everything finished?" checks. 2: a batch
-# runs at most 1 step past its end, and shrinks as soon as it may; on 1,000
-# real sentences the decoder's row-steps that generate a token went from 76%
-# to 81% at batch 32 (74% -> 78% at 128) against checks every 4 steps, and
-# decoding 1.05-1.09x faster greedy at 32, 1.00-1.04x at 128, 1.02-1.04x
-# beam 4, the same translations and compile times (4 had been 1.17x greedy /
-# 1.15x beam 4 over 8; docs/benchmarks.md "Wasted rows"). A check costs a
-# reduction over the rows; a one-step loop (1) measured slower per step
-# than a scan.
-EARLY_EXIT_CHUNK = 2
+from transformer.decoding import options  # (EARLY_EXIT_CHUNK, with its measurements)
 
 
 def _map_batched(fn, cache: PyTree) -> PyTree:
@@ -62,7 +53,7 @@ def _decode_loop(step_fn, done_fn, state, num_steps: int, early_exit: bool):
   if not early_exit:
     return _scan_steps(step_fn, state, num_steps)
 
-  chunk = max(1, min(EARLY_EXIT_CHUNK, num_steps))
+  chunk = max(1, min(options.EARLY_EXIT_CHUNK, num_steps))
   num_chunks, remainder = divmod(num_steps, chunk)
   state = _scan_steps(step_fn, state, remainder)
 
@@ -130,7 +121,7 @@ def _shrinking_loop(step_fn, unfinished_fn, results_fn, select_state, state, *,
     as it was when it left the batch (finished: unchanged since), or at the
     end of the budget.
   """
-  chunk = max(1, min(EARLY_EXIT_CHUNK, num_steps))
+  chunk = max(1, min(options.EARLY_EXIT_CHUNK, num_steps))
   state = _scan_steps(step_fn, state, num_steps % chunk)
   results = jax.tree.map(jnp.zeros_like, results_fn(state))
   rows = jnp.arange(batch)  # rows[i]: the input that row i of `state` decodes

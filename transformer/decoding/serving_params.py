@@ -72,14 +72,14 @@ def directory() -> Path | None:
   return executable_cache.directory(SUBDIRECTORY)
 
 
-def applies(workdir: str) -> bool:
+def applies(workdir: str | os.PathLike) -> bool:
   """Whether a copy can stand for the listing and restore (module docstring;
   the loader leaves FSDP-sharded parameters to orbax)."""
   return (directory() is not None and multihost.is_local(os.fspath(workdir))
           and jax.process_count() == 1)
 
 
-def fingerprint(workdir: str) -> str:
+def fingerprint(workdir: str | os.PathLike) -> str:
   """SHA-256 of every entry under the workdir's checkpoint directories: its
   path, whether it is a directory, its size and modification time (ns)."""
   digest = hashlib.sha256()
@@ -98,19 +98,20 @@ def fingerprint(workdir: str) -> str:
   return digest.hexdigest()
 
 
-def _path(workdir: str, suffix: str) -> Path:
+def _path(workdir: str | os.PathLike, suffix: str) -> Path:
   name = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:32]
   return directory() / f"{name}{suffix}"
 
 
-def resolve(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]:
-  """(`workdir.resolve_checkpoint`'s answer, `workdir.stale_average_note`'s
-  for "auto", else None): as recorded when the checkpoint directories last
-  had their present fingerprint, else listed with orbax (and recorded).
-  Raises what `resolve_checkpoint` raises."""
+def resolve(workdir: str | os.PathLike, checkpoint: str | int
+            ) -> tuple[str | int, str | None]:
+  """`workdir.list_checkpoint(workdir, checkpoint)`: as recorded when the
+  checkpoint directories of the (resolved) `workdir` last had their present
+  fingerprint, else listed with orbax (and recorded). `workdir.read`'s
+  `choose` for decoding. Raises what `resolve_checkpoint` raises."""
   checkpoint = workdir_lib.checkpoint_choice(checkpoint)
   if not applies(workdir):
-    return _list(workdir, checkpoint)
+    return workdir_lib.list_checkpoint(workdir, checkpoint)
   path, now = _path(workdir, ".json"), fingerprint(workdir)
   try:
     record = json.loads(path.read_text())
@@ -123,16 +124,10 @@ def resolve(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]
   if str(checkpoint) in record["resolved"]:
     which, note = record["resolved"][str(checkpoint)]
     return which, note
-  which, note = _list(workdir, checkpoint)
+  which, note = workdir_lib.list_checkpoint(workdir, checkpoint)
   record["resolved"][str(checkpoint)] = [which, note]
   _write(path, lambda f: f.write(json.dumps(record).encode()))
   return which, note
-
-
-def _list(workdir: str, checkpoint: str | int) -> tuple[str | int, str | None]:
-  """`resolve`, with orbax."""
-  which = workdir_lib.resolve_checkpoint(workdir, checkpoint)
-  return which, (checkpoint == "auto" and workdir_lib.stale_average_note(workdir)) or None
 
 
 def _describe(tree: Any) -> dict:
@@ -142,14 +137,15 @@ def _describe(tree: Any) -> dict:
           "leaves": [[list(x.shape), np.dtype(x.dtype).name] for x in leaves]}
 
 
-def load(workdir: str, which: str | int, target: Any, restore: Callable[[], tuple[Any, dict]]
+def load(model: workdir_lib.Workdir, target: Any, restore: Callable[[], tuple[Any, dict]]
          ) -> tuple[Any, dict]:
-  """(params, info): `restore()`'s (params restored with orbax from `workdir`'s
-  checkpoint `which`, "averaged" or a step, into `target`, and the load's
-  info), or the same as numpy arrays read from the copy kept when the
-  checkpoint directories last had their present fingerprint. A restore
-  leaves a copy for the next load; a file that does not read is restored
-  and written anew."""
+  """(params, info): `restore()`'s (params restored with orbax from the
+  checkpoint `model.checkpoint` chose, "averaged" or a step, into `target`,
+  and the load's info), or the same as numpy arrays read from the copy kept
+  when the checkpoint directories last had their present fingerprint. A
+  restore leaves a copy for the next load; a file that does not read is
+  restored and written anew."""
+  workdir, which = model.path, model.checkpoint
   if not applies(workdir):
     return restore()
   path, now = _path(workdir, ".npz"), fingerprint(workdir)  # (before a restore: see below)

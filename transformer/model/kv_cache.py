@@ -57,7 +57,7 @@ def prefix_parts(parts: int | None):
   """Steps traced in this context read the self-attention cache through
   `parts` static prefixes (1: the whole cache at every step), whatever the
   module's defaults; None keeps them. A decoder chooses it for itself
-  (`Translator._small_decoder`: one copy of the attention per layer to
+  (`batch_plan.Policy.small_decoder`: one copy of the attention per layer to
   load instead of `parts`, where few rows would not pay for them). A
   context variable, so that decoders traced side by side in threads each
   see their own."""

@@ -28,7 +28,7 @@ Larger blocks stay only in the main thread's heap (glibc's main heap grows
 without that limit). So for large batches `decode.py` also has JAX run each
 computation on the thread that calls it (`run_computations_on_calling_threads`:
 no asynchronous dispatch on the CPU), and the main thread decodes one lane of
-batches itself (`Translator._decode_in_lanes`): beam 4 at batch 128, whose
+batches itself (`runner._decode_in_lanes`): beam 4 at batch 128, whose
 temporaries are 100-400 MB a batch, faults 184k pages per later call of
 1,000 gettext lines instead of 397k, and 20,000 lines decode 1.07x faster.
 """
@@ -127,7 +127,7 @@ def run_computations_on_calling_threads() -> bool:
   Returns whether it was applied. The price: a thread that calls a
   computation waits for it (no overlap of its own host work with it, no
   next batch queued meanwhile), which `decode.py`'s other lanes make up for
-  only where batches are large (`decode.CALLING_THREAD_MIN_ROWS`)."""
+  only where batches are large (`decoding.command.CALLING_THREAD_MIN_ROWS`)."""
   if not _applies():
     return False
   import jax  # (here: the rest of this module is used before jax is imported)

@@ -30,6 +30,11 @@ Which checkpoint: "auto" (the averaged one if there is one, else the latest),
 "averaged", "latest", or a step number; `resolve_checkpoint` turns that into
 "averaged" or a step, or an error that says what is missing and what to do.
 
+Read once: `read` turns a trained workdir into a `Workdir` value (its path
+resolved, its model config, its vocabulary, the checkpoint chosen and why, its
+import record). The loader, the serving copy and fine-tuning's start take that
+value; the layers below them take its path, never a workdir to interpret again.
+
 Every file written here is written whole or not at all (`multihost.write_file`).
 Workdirs may be local paths or addresses such as gs://bucket/run: files are
 read and written through `etils.epath` (`multihost.resolve`), as orbax does;
@@ -48,9 +53,11 @@ loaded; only RESUMABLE_FIELDS may change.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 
 from etils import epath
 
@@ -321,3 +328,62 @@ def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
     raise CheckpointNotFound(which, f"no checkpoint for step {which} in {ckpt_dir}; "
                              f"available steps: {steps} (or use checkpoint=auto)")
   return which
+
+
+# ----------------------------------------------------------------------------
+# A trained workdir, read once
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Workdir:
+  """A trained workdir as `read` found it, handed down instead of its path."""
+  path: epath.Path  # resolved: absolute where local, an address (gs://...) as given
+  model_config: TransformerConfig
+  vocab_path: str  # the vocabulary rule's answer (module docstring)
+  checkpoint: str | int | None  # "averaged" or a step; None where none was asked for
+  checkpoint_note: str | None  # why "auto" chose the latest step over a stale average
+  imported: dict | None  # import.json: where an imported model came from
+
+  @property
+  def described_checkpoint(self) -> str:
+    """The checkpoint chosen, in words ("averaged" or "step N")."""
+    return "averaged" if self.checkpoint == "averaged" else f"step {self.checkpoint}"
+
+
+def list_checkpoint(path: str | os.PathLike, checkpoint: str | int
+                    ) -> tuple[str | int, str | None]:
+  """(`resolve_checkpoint`'s answer, `stale_average_note`'s for "auto", else
+  None), from the checkpoint directories' listings (orbax)."""
+  which = resolve_checkpoint(path, checkpoint)
+  return which, (checkpoint == "auto" and stale_average_note(path)) or None
+
+
+def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
+         choose: Callable[[epath.Path, str | int], tuple[str | int, str | None]]
+         = list_checkpoint) -> Workdir:
+  """`workdir` read once: its path resolved (`multihost.resolve`), its files
+  checked, its model config and vocabulary found, `checkpoint` ("auto",
+  "averaged", "latest", a step; None: none) chosen by `choose(path, choice)`
+  (default: listing the checkpoints; the decoding loader's keeps what it
+  listed: `serving_params.resolve`), and import.json read if there is one.
+  Nothing is restored.
+
+  Raises:
+    FileNotFoundError (CheckpointNotFound among them) naming what is missing
+    and what to do; ValueError for a file that cannot be read; OptionError for
+    a `checkpoint` that is no choice.
+  """
+  check_files(os.fspath(workdir))  # (its messages name the workdir as the caller did)
+  path = multihost.resolve(workdir)
+  model_config = load_model_config(str(path))
+  which, note = (None, None) if checkpoint is None else choose(
+      path, checkpoint_choice(checkpoint))
+  imported_file = path / IMPORT_FILE
+  try:
+    imported = json.loads(imported_file.read_text()) if imported_file.exists() else None
+  except ValueError as e:
+    raise ValueError(f"{imported_file} is not valid JSON ({e}); it is written by the "
+                     "importer, do not edit it") from None
+  return Workdir(path=path, model_config=model_config, vocab_path=vocab_path(str(path)),
+                 checkpoint=which, checkpoint_note=note, imported=imported)

@@ -72,13 +72,13 @@ class Evaluator:
       self._translator = translation.Translator(self.model_config, params, self.tokenizer)
       # Whole searches: early in training most translations run to the end,
       # and a short first search would decode (and compile) each twice.
-      self._translator.first_search = False
+      self._translator.policy.first_search = False
       # Buckets of their own: its decoders are compiled once and kept for
       # every evaluation, so sharing a longer bucket's would save nothing
       # after the first and pad the short inputs at each. A time budget's few
       # evaluations share them: compiling is what they pay most for (200
       # validation sentences greedy, cold: 4 decoders in 22 s or 1 in 6.5 s).
-      self._translator.share_buckets = bool(self.config.get("train_minutes", 0))
+      self._translator.policy.share_buckets = bool(self.config.get("train_minutes", 0))
     else:
       self._translator.set_params(params)
     return self._translator

@@ -210,9 +210,9 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
 def _start_from(source: str, state: dict) -> dict:
   """`state` with the parameters of the workdir `source` (its "auto"
   checkpoint), laid out as `state`'s own, and its fresh optimizer: fine-tuning."""
-  which = workdir_lib.resolve_checkpoint(source, "auto")
-  params, info = averaging.load_params(str(multihost.resolve(source)), state["params"],
-                                       which=which, with_info=True)
+  model = workdir_lib.read(source, "auto")
+  params, info = averaging.load_params(str(model.path), state["params"],
+                                       which=model.checkpoint, with_info=True)
   logger.info("Starting from the parameters of %s (%s), with a fresh optimizer.", source,
               f"averaged steps {info['averaged_steps']}" if info["kind"] == "averaged"
               else f"step {info['step']}")

@@ -252,9 +252,7 @@ def load_init_from_config(config) -> TransformerConfig:
   option otherwise (before this run reads or trains anything)."""
   source = config.init_from
   try:
-    workdir_lib.check_files(source)
-    workdir_lib.resolve_checkpoint(source, "auto")
-    return workdir_lib.load_model_config(source)
+    return workdir_lib.read(source, "auto").model_config
   except (OSError, ValueError) as e:
     raise ValueError(f"config.init_from={source}: {e}") from None
 
