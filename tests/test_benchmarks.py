@@ -347,8 +347,8 @@ def test_batching_benchmark_counts_the_row_steps_the_shrinking_loop_runs(monkeyp
   empty rows), checks every `chunk` steps, shrinking by `factor`."""
   from typing import NamedTuple
   from benchmarks import bench_batching
-  from transformer.decoding import loops
-  monkeypatch.setattr(loops, "EARLY_EXIT_CHUNK", chunk)
+  from transformer.decoding import loops, options
+  monkeypatch.setattr(options, "EARLY_EXIT_CHUNK", chunk)
   needed, batch = [3, 9, 1, 14, 2], 8
   sizes = loops.Shrink(factor=factor, min_rows=2).sizes(batch)
 

@@ -582,7 +582,7 @@ def test_bfloat16_weights_decode_as_their_full_forward_and_close_to_float32():
   projection through `logits_kernel`) gives the teacher-forced logits of the
   same config, beams sharing the memory; both near the float32 model's, and
   not equal to them (the products are bfloat16's)."""
-  from transformer.decoding.translator import projection_weights_as
+  from transformer.decoding.decoders import projection_weights_as
   cfg = tiny_config(num_decoder_layers=2)
   params = M.init_params(cfg, jax.random.key(8))
   src, tgt = random_batch(cfg, np.random.default_rng(13))
@@ -695,7 +695,7 @@ def test_a_translator_with_bfloat16_weights_translates_as_float32(caplog, monkey
   bfloat16 = loader.load_translator(workdir, weights_dtype="bfloat16")
   assert bfloat16.config.matmul_dtype == "bfloat16" and float32.config.matmul_dtype is None
   kernel = bfloat16.params["decoder"]["layers_0"]["feed_forward"]["inner"]["kernel"]
-  assert kernel.dtype == jnp.bfloat16 and bfloat16.logits_kernel.dtype == jnp.bfloat16
+  assert kernel.dtype == jnp.bfloat16 and bfloat16.decoders.logits_kernel.dtype == jnp.bfloat16
   pairs = demo_task.demo_splits(5, num_train=40, num_eval=1, num_test=1)["train"]
   sentences = sorted({s for s, _ in pairs}, key=len)[:8]  # (one batch, one decoder)
   for options in ({"method": "greedy"}, {"method": "beam", "beam_size": 4}):
