@@ -11,6 +11,9 @@ import pytest
 # default (transformer/runtime/compile_cache.py); tests never write there. A test that
 # wants a cache passes one (the fixture below, helpers.subprocess_env).
 os.environ["TRANSFORMER_COMPILATION_CACHE"] = "off"
+# Nor compiled decoders kept in workdirs (the repository's fixtures among them);
+# tests/test_executable_cache.py turns it on for a copy of one.
+os.environ["TRANSFORMER_WORKDIR_DECODERS"] = "off"
 
 # Comparisons against float64 numpy hold to ~1e-5 only if a float32 matmul is
 # a float32 matmul: TPUs default to bfloat16 passes and GPUs to TF32. Pinned

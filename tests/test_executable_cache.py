@@ -73,6 +73,53 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
   assert sorted(cache_dir.iterdir()) == stored
 
 
+def test_the_decoders_travel_with_the_workdir(cache_dir, tmp_path, monkeypatch):
+  """A Translator loaded from a workdir also keeps its compiled decoders (and
+  the parameter shapes and the logits kernel) in `<workdir>/compiled/`; a
+  copy of the workdir on a machine whose cache is empty (another cache
+  directory) loads them from there, traces nothing and translates the same;
+  a decoder found only in the machine's cache is copied into a workdir that
+  lacks it; with the cache off nothing is written there."""
+  import shutil
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
+  workdir = tmp_path / "run"
+  shutil.copytree(FIXTURE_WORKDIR, workdir)
+  translator = loader.load_translator(str(workdir))
+  translator.policy.share_buckets = False
+  first = translator.translate(SENTENCES, batch_size=2, method="greedy")
+  kept = sorted(p.name for p in (workdir / executable_cache.MODEL_SUBDIRECTORY).iterdir())
+  assert sorted(p.name for p in cache_dir.iterdir()) == kept  # (the same keys)
+  assert [name.rsplit(".", 1)[1] for name in kept].count("bin") == 2
+  assert {name.rsplit(".", 1)[1] for name in kept} == {"bin", "shapes", "logits_kernel"}
+
+  copy = tmp_path / "elsewhere"
+  shutil.copytree(workdir, copy)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "empty_cache"))
+  _never_trace(monkeypatch)
+  monkeypatch.setattr(model_lib, "init_params", lambda *a: pytest.fail("the model was traced"))
+  translator = loader.load_translator(str(copy))
+  translator.policy.share_buckets = False
+  assert translator.translate(SENTENCES, batch_size=2, method="greedy") == first
+  assert translator.last_stats["decoders_loaded"] == 2
+
+  # Found in the machine's cache only (the first one's): the workdir gets a copy.
+  shutil.rmtree(copy / executable_cache.MODEL_SUBDIRECTORY)
+  jax.config.update("jax_compilation_cache_dir", str(cache_dir.parent))
+  translator = loader.load_translator(str(copy))
+  translator.policy.share_buckets = False
+  translator.translate(SENTENCES, batch_size=2, method="greedy")
+  assert sorted(p.name for p in (copy / executable_cache.MODEL_SUBDIRECTORY).iterdir()) == kept
+  # The cache off, or $TRANSFORMER_WORKDIR_DECODERS=off: the workdir is not written.
+  shutil.rmtree(copy / executable_cache.MODEL_SUBDIRECTORY)
+  monkeypatch.undo()
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "off")
+  loader.load_translator(str(copy)).translate(SENTENCES[:1], method="greedy")
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
+  jax.config.update("jax_compilation_cache_dir", None)
+  loader.load_translator(str(copy)).translate(SENTENCES[:1], method="greedy")
+  assert not (copy / executable_cache.MODEL_SUBDIRECTORY).exists()
+
+
 def test_decoders_are_prepared_side_by_side_and_translate_the_same(monkeypatch):
   """The decoders one call needs (here two batch shapes) are compiled in
   threads of their own, one per core (`Decoders.prepare_all`); with one

@@ -20,6 +20,7 @@ import concurrent.futures
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Sequence
 
 import jax
@@ -53,10 +54,13 @@ def projection_weights_as(params, dtype):
 class Decoders:
   """The compiled decoders of `config` over `mesh` (this process's devices),
   with the parameters they run with (`set_params`); `param_sharding`:
-  "replicated" or "fsdp" (`Translator`)."""
+  "replicated" or "fsdp" (`Translator`); `model_dir`: the workdir's
+  `compiled/` that keeps them too (`executable_cache.model_directory`)."""
 
-  def __init__(self, config: TransformerConfig, mesh: Mesh, param_sharding: str):
+  def __init__(self, config: TransformerConfig, mesh: Mesh, param_sharding: str,
+               model_dir: Path | None = None):
     self.config, self.mesh, self.param_sharding = config, mesh, param_sharding
+    self.model_dir = model_dir
     self.devices = len(mesh.devices.flat)
     self.executables: dict[DecoderShape, jax.stages.Compiled] = {}
     self.loaded = 0  # of them, how many `executable_cache` loaded (per call: the caller resets)
@@ -98,7 +102,7 @@ class Decoders:
                "params": executable_cache.describe(params)}
       self._logits_kernel_fn, _ = executable_cache.load_or_compile(
           parts, lambda: jax.jit(self._logits_kernel_program()).lower(params).compile(),
-          suffix=".logits_kernel", what="compiled logits kernel")
+          suffix=".logits_kernel", what="compiled logits kernel", model_dir=self.model_dir)
     return self._logits_kernel_fn(params)
 
   def _logits_kernel_program(self):
@@ -230,7 +234,7 @@ class Decoders:
     parts = {"model": self.config.to_dict(), "decoder": shape,
              "arguments": executable_cache.describe(args)}
     self.executables[shape], loaded = executable_cache.load_or_compile(
-        parts, lambda: self.program(shape).lower(*args).compile())
+        parts, lambda: self.program(shape).lower(*args).compile(), model_dir=self.model_dir)
     return loaded
 
   def dispatch(self, shape: DecoderShape, inputs: tuple):

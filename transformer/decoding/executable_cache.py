@@ -38,6 +38,17 @@ the decoder compiled (the shapes traced) as if there were none. The directory
 is kept under MAX_BYTES (2 GiB): each new file removes the least recently
 used ones beyond it (a load marks its file used). The cache is off when the
 compilation cache is (`--compilation_cache=off`).
+
+The decoders travel with the model: a Translator loaded from a workdir
+(`loader.load_translator`) also keeps them in `<workdir>/compiled/`
+(`model_directory`), under the same keys, and looks there first; a decoder
+found only in the machine's cache is copied there. A workdir copied to Drive,
+a bucket or a serving host of the same kind (the key names the platform,
+devices, CPU flags, versions and code) then starts warm on a machine whose
+cache is empty. That directory is kept under MAX_MODEL_BYTES (256 MiB, least
+recently used first; the small-corpus model's decoders for 1,000 lines take
+4-9 MB); it is not used for a workdir that is not local, with several
+processes, with the cache off, or with $TRANSFORMER_WORKDIR_DECODERS=off.
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ import jax
 import jaxlib
 
 from transformer.data.text_io import write_atomically
-from transformer.runtime import compile_cache
+from transformer.runtime import compile_cache, multihost
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +87,11 @@ def _count_cache_hits(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_count_cache_hits)
 
 SUBDIRECTORY = "decoders"
+MODEL_SUBDIRECTORY = "compiled"  # in a workdir: its decoders (`model_directory`)
 FORMAT = 2  # bump when what a file holds changes
 MAX_BYTES = 2 << 30  # the directory's files beyond this: the least recently used go
+MAX_MODEL_BYTES = 256 << 20  # ... and a workdir's
+MODEL_ENV = "TRANSFORMER_WORKDIR_DECODERS"  # "off": no decoders kept in workdirs
 
 
 def directory(subdirectory: str = SUBDIRECTORY) -> Path | None:
@@ -85,6 +99,19 @@ def directory(subdirectory: str = SUBDIRECTORY) -> Path | None:
   compilation cache's directory, or None when that cache is off."""
   base = jax.config.jax_compilation_cache_dir
   return Path(base) / subdirectory if base else None
+
+
+def model_directory(model) -> Path | None:
+  """`<workdir>/compiled/` of `model` (a `workdir.Workdir`, or None), where
+  its decoders travel with it; None without one, with the cache off or
+  $TRANSFORMER_WORKDIR_DECODERS=off (the tests' setting: they never write
+  into the repository's fixtures), for a workdir that is not a local path, or
+  with several processes."""
+  if (model is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
+      or jax.process_count() > 1
+      or not multihost.is_local(os.fspath(model.path))):
+    return None
+  return Path(os.fspath(model.path)) / MODEL_SUBDIRECTORY
 
 
 def _hash_sources() -> str:
@@ -174,62 +201,90 @@ def _compile_fresh(compile_fn: Callable[[], jax.stages.Compiled]) -> jax.stages.
 
 
 def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
-                  dump: Callable[[Any], Any], load: Callable[[Any], Any]) -> tuple[Any, bool]:
+                  dump: Callable[[Any], Any], load: Callable[[Any], Any],
+                  model_dir: Path | None = None) -> tuple[Any, bool]:
   """(value, whether it was loaded): `load` of the pickle stored under
-  `key(parts)` + `suffix` if there is one that loads, else `make()`, then
-  stored as the pickle of `dump(value)`. `what` names the value in warnings.
+  `key(parts)` + `suffix` in `model_dir` (a workdir's: `model_directory`) or
+  else in the cache, if there is one that loads, else `make()`, then stored
+  as the pickle of `dump(value)` in both. `what` names the value in warnings.
   Nothing is read or stored when the compilation cache is off."""
-  where = directory()
-  if where is None:
+  cache = directory()
+  if cache is None:
     return make(), False
-  path = where / f"{key(parts)}{suffix}"
-  if path.exists():
+  name = f"{key(parts)}{suffix}"
+  places = [where for where in (model_dir, cache) if where is not None]
+  for where in places:
+    path = where / name
+    if not path.exists():
+      continue
     try:
-      value = load(pickle.loads(path.read_bytes()))
+      stored = path.read_bytes()
+      value = load(pickle.loads(stored))
     except Exception as e:  # (another jaxlib, a truncated file: make it again)
       logger.warning("%s %s did not load (%s: %s); making it again.", what, path,
                      type(e).__name__, e)
       with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
-    else:
-      with contextlib.suppress(OSError):  # (a read-only cache: used as it is)
-        os.utime(path)  # last used now: the pruning keeps what is used
-      return value, True
+      continue
+    with contextlib.suppress(OSError):  # (a read-only cache: used as it is)
+      os.utime(path)  # last used now: the pruning keeps what is used
+    if model_dir is not None and where != model_dir:  # (so that the model carries it)
+      _store(model_dir, name, stored, what, MAX_MODEL_BYTES, quiet=True)
+    return value, True
   value = make()
-  try:
-    write_atomically(str(path), pickle.dumps(dump(value)))
-    # Every change of this package's code, of jax or of the devices makes new
-    # keys: without this the directory only grows (900 MB after two days of
-    # development on one machine).
-    compile_cache.prune_least_recently_used(where, MAX_BYTES, keep=path)
-  except Exception as e:  # (a read-only or full disk: go on, uncached)
-    logger.warning("Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
+  stored = pickle.dumps(dump(value))
+  _store(cache, name, stored, what, MAX_BYTES)
+  if model_dir is not None:
+    _store(model_dir, name, stored, what, MAX_MODEL_BYTES, quiet=True)
   return value, False
 
 
+def _store(where: Path, name: str, stored: bytes, what: str, max_bytes: int,
+           quiet: bool = False) -> None:
+  """Writes `stored` whole as `where/name`, then keeps `where` under
+  `max_bytes` (least recently used first). A read-only or full disk is said
+  (`quiet`: at INFO, for a workdir, which may well be read-only) and skipped."""
+  path = where / name
+  try:
+    where.mkdir(parents=True, exist_ok=True)
+    write_atomically(str(path), stored)
+    # Every change of this package's code, of jax or of the devices makes new
+    # keys: without this the directory only grows (900 MB after two days of
+    # development on one machine).
+    compile_cache.prune_least_recently_used(where, max_bytes, keep=path)
+  except Exception as e:  # (a read-only or full disk: go on, uncached)
+    (logger.info if quiet else logger.warning)(
+        "Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
+
+
 def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], *,
-                    suffix: str = ".bin", what: str = "compiled decoder"):
+                    suffix: str = ".bin", what: str = "compiled decoder",
+                    model_dir: Path | None = None):
   """(compiled program, whether it was loaded): the one stored under
   `key(parts)` + `suffix` (".bin": a decoder) if there is one that loads,
   else `compile_fn()`, then stored. `compile_fn` must trace, lower and
   compile anew at each call, from a function made anew (a `jax.jit` of the
   same function object compiles to the program JAX keeps in memory, which
   may be the persistent cache's copy that does not serialize whole:
-  `_compile_fresh`)."""
+  `_compile_fresh`). `model_dir`: a workdir's `compiled/` that keeps it too
+  (`model_directory`)."""
   from jax.experimental import serialize_executable
   return _load_or_make(
       parts, suffix, what,
       make=lambda: _compile_fresh(compile_fn),
       dump=serialize_executable.serialize,
-      load=lambda stored: serialize_executable.deserialize_and_load(*stored))
+      load=lambda stored: serialize_executable.deserialize_and_load(*stored),
+      model_dir=model_dir)
 
 
-def load_or_eval_shape(parts: dict, fn: Callable, *args):
+def load_or_eval_shape(parts: dict, fn: Callable, *args, model_dir: Path | None = None):
   """`jax.eval_shape(fn, *args)` (a pytree of `jax.ShapeDtypeStruct`), read from
   the file stored under `key(parts)` when there is one that loads, else traced
   and stored. `parts` must name everything the shapes depend on besides this
-  package's code (which `key` includes): e.g. the model config."""
+  package's code (which `key` includes): e.g. the model config. `model_dir`:
+  as `load_or_compile`'s."""
   shapes, _ = _load_or_make(parts, ".shapes", "parameter shapes",
                             make=lambda: jax.eval_shape(fn, *args),
-                            dump=lambda shapes: shapes, load=lambda shapes: shapes)
+                            dump=lambda shapes: shapes, load=lambda shapes: shapes,
+                            model_dir=model_dir)
   return shapes

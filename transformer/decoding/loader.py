@@ -73,7 +73,8 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
   # the key by its shape alone: making one compiles a small program).
   target = executable_cache.load_or_eval_shape(
       {"model": model_config.to_dict(), "of": "init_params"},
-      lambda rng: model.init_params(model_config, rng), jax.eval_shape(jax.random.key, 0))
+      lambda rng: model.init_params(model_config, rng), jax.eval_shape(jax.random.key, 0),
+      model_dir=executable_cache.model_directory(workdir))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -83,7 +84,7 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
   else:  # (a copy kept by the last load, while the checkpoints are unchanged)
     params, info = serving_params.load(workdir, target, lambda: _restore(workdir, target))
   translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding,
-                          weights_dtype=weights_dtype)
+                          weights_dtype=weights_dtype, workdir=workdir)
   return (translator, info) if with_info else translator
 
 

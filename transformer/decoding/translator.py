@@ -46,6 +46,7 @@ from transformer.decoding.options import check_options
 from transformer.model.config import MATMUL_DTYPES, TransformerConfig
 from transformer.runtime import parallel
 from transformer.runtime.errors import OptionError
+from transformer.runtime.workdir import Workdir
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ class Translator:
       (embeddings, attention over the cache, LayerNorm, softmax, search) as
       the model says. On a CPU with AVX512-BF16 or AMX 1.2-1.4x faster with
       the same BLEU (docs/decoding.md); on one without, a warning.
+    workdir: the `workdir.Workdir` the model was read from (the loader's),
+      or None: its compiled decoders are also kept in, and read from,
+      `<workdir>/compiled/`, so that they travel with the model
+      (`executable_cache.model_directory`).
   Batches are sharded over this process's local devices.
 
   `policy` (a `batch_plan.Policy`, its attributes settable): how batches are
@@ -93,7 +98,8 @@ class Translator:
   """
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer, *,
-               param_sharding: str = "replicated", weights_dtype: str | None = None):
+               param_sharding: str = "replicated", weights_dtype: str | None = None,
+               workdir: Workdir | None = None):
     if weights_dtype not in MATMUL_DTYPES:
       raise OptionError("weights_dtype", weights_dtype,
                         f"must be one of {', '.join(map(str, MATMUL_DTYPES))}")
@@ -110,7 +116,8 @@ class Translator:
                      "(none of %s): likely no faster than float32.",
                      ", ".join(sorted(BFLOAT16_CPU_FLAGS)))
     self.policy = batch_plan.Policy.for_platform(platform, devices)
-    self.decoders = Decoders(self.config, self.mesh, param_sharding)
+    self.decoders = Decoders(self.config, self.mesh, param_sharding,
+                             executable_cache.model_directory(workdir))
     self.overlap = True
     self.last_stats: dict[str, float] = {}
     self.set_params(params)
