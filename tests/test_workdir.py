@@ -257,7 +257,6 @@ def test_a_trained_workdir_is_read_once_into_a_value(tmp_path, monkeypatch):
   assert model.model_config == TransformerConfig.from_dict(stored)
   assert model.vocab_path == str(tmp_path / "run" / "vocab.model")
   assert (model.checkpoint, model.checkpoint_note, model.imported) == (600, "a note", None)
-  assert model.described_checkpoint == "step 600"
   listed = workdir.read("run", "auto")  # (the default: the checkpoints listed with orbax)
   assert (listed.checkpoint, listed.checkpoint_note) == ("averaged", None)
   (tmp_path / "run" / workdir.IMPORT_FILE).write_text('{"imported_from": "opus-mt-x"}')

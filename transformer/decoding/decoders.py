@@ -135,13 +135,12 @@ class Decoders:
     of `shape` that switch a part off leave it out of the program (class
     `DecoderShape`)."""
     cfg, model = self.config, self.model
-    (method, batch, _, max_len, beam_size, top_k, early_exit, temperature_on, top_p_on,
-     n_best, beam_stop, _, log_probs, packed, _, _, small) = shape
+    method, batch, max_len = shape.method, shape.batch, shape.max_len
     shrink = self.shrink(shape)
 
     def run(params, logits_kernel, inputs, key_data, row_lines, row_copies, row_limits,
             length_penalty, temperature, top_p, min_len, packing):
-      if packed:  # the encoder on the sentences packed several to a row
+      if shape.packed:  # the encoder on the sentences packed several to a row
         encoded = source_packing.encode_packed(
             lambda tokens, segments, positions: model.apply(
                 {"params": params}, tokens, segments, positions, method="encode"), *packing)
@@ -151,7 +150,7 @@ class Decoders:
                            method="encoder_memory")
 
       def tokens_to_logits(token_ids, state):
-        with kv_cache.prefix_parts(1 if small else None):  # (read as the step is traced)
+        with kv_cache.prefix_parts(1 if shape.small else None):  # (read as the step is traced)
           logits, cache = model.apply({"params": params}, token_ids, state["cache"],
                                       state["memory"], method="decode_step")
         return logits, dict(state, cache=cache)
@@ -164,13 +163,14 @@ class Decoders:
                     empty_rows=jnp.all(inputs == cfg.pad_id, axis=1))  # (filling the batch)
       if method == "beam":
         return beam_lib.beam_search(
-            tokens_to_logits, state(beam_size), beam_size=beam_size,
-            length_penalty=length_penalty, early_exit=early_exit, n_best=n_best or None,
-            stop=beam_stop, row_limits=row_limits, return_done=True,
+            tokens_to_logits, state(shape.beam_size), beam_size=shape.beam_size,
+            length_penalty=length_penalty, early_exit=shape.early_exit,
+            n_best=shape.n_best or None,
+            stop=shape.beam_stop, row_limits=row_limits, return_done=True,
             reorder_cache=lambda s, parents: dict(s, cache=reorder_cache(s["cache"], parents)),
             **common)
       if method == "greedy":
-        seqs, scores = decoding.greedy_search(tokens_to_logits, state(), log_probs=log_probs,
+        seqs, scores = decoding.greedy_search(tokens_to_logits, state(), log_probs=shape.log_probs,
                                               row_limits=row_limits, **common)
       else:
         fold_in = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
@@ -178,8 +178,9 @@ class Decoders:
         row_keys = jax.vmap(jax.random.fold_in)(fold_in(rng, row_lines), row_copies)
         seqs, scores = sampling.sample(
             tokens_to_logits, state(), rng=row_keys,
-            temperature=temperature if temperature_on else 1.0, top_k=top_k,
-            top_p=top_p if top_p_on else 1.0, log_probs=log_probs, row_limits=row_limits,
+            temperature=temperature if shape.temperature_on else 1.0, top_k=shape.top_k,
+            top_p=top_p if shape.top_p_on else 1.0, log_probs=shape.log_probs,
+            row_limits=row_limits,
             **common)
       # Done: an EOS, nothing to decode, or its own length reached within these steps.
       done = (jnp.any(seqs == cfg.eos_id, axis=1) | common["empty_rows"]

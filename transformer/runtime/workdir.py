@@ -345,11 +345,6 @@ class Workdir:
   checkpoint_note: str | None  # why "auto" chose the latest step over a stale average
   imported: dict | None  # import.json: where an imported model came from
 
-  @property
-  def described_checkpoint(self) -> str:
-    """The checkpoint chosen, in words ("averaged" or "step N")."""
-    return "averaged" if self.checkpoint == "averaged" else f"step {self.checkpoint}"
-
 
 def list_checkpoint(path: str | os.PathLike, checkpoint: str | int
                     ) -> tuple[str | int, str | None]:
