@@ -120,6 +120,43 @@ def test_the_decoders_travel_with_the_workdir(cache_dir, tmp_path, monkeypatch):
   assert not (copy / executable_cache.MODEL_SUBDIRECTORY).exists()
 
 
+def test_training_leaves_the_first_decode_warm(cache_dir, tmp_path, monkeypatch):
+  """Training's test translation plans as decode.py does and keeps its
+  decoders, the parameters' shapes and the logits kernel in
+  `<workdir>/compiled/`: the first decode.py of the test sources after it, on
+  a machine whose cache is empty (another cache directory), loads every
+  decoder, traces nothing, and writes the report's translations."""
+  import train_worker
+  from transformer.data import sources
+  from transformer.decoding import command
+  from transformer.training import loop as training
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
+  workdir = tmp_path / "run"
+  config = train_worker.tiny_config(dict(num_train_steps=20, eval_every=20,
+                                         checkpoint_every=20, test_report=True))
+  training.train_and_evaluate(config, str(workdir), quiet=True)
+  compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
+  assert {p.suffix for p in compiled.iterdir()} == {".bin", ".shapes", ".logits_kernel"}
+
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "empty_cache"))
+  _never_trace(monkeypatch)
+  monkeypatch.setattr(model_lib, "init_params", lambda *a: pytest.fail("the model was traced"))
+  loads = []  # (whether each decoder and the logits kernel was loaded)
+  load_or_compile = executable_cache.load_or_compile
+
+  def recording(*args, **kwargs):
+    value, loaded = load_or_compile(*args, **kwargs)
+    loads.append(loaded)
+    return value, loaded
+  monkeypatch.setattr(executable_cache, "load_or_compile", recording)
+  source = tmp_path / "test.src"
+  source.write_text("".join(s + "\n" for s, _ in sources.load_split(config.data, "test")))
+  command.decode(command.Request(workdir=str(workdir), input_path=str(source),
+                                 output_path=str(tmp_path / "out.txt"), quiet=True))
+  assert loads and all(loads)  # (every decoder and the logits kernel: loaded)
+  assert (tmp_path / "out.txt").read_text() == (workdir / "test_translations.txt").read_text()
+
+
 def test_decoders_are_prepared_side_by_side_and_translate_the_same(monkeypatch):
   """The decoders one call needs (here two batch shapes) are compiled in
   threads of their own, one per core (`Decoders.prepare_all`); with one

@@ -127,6 +127,17 @@ class Policy:
     return cls(devices=devices, shrink_batches=on_cpu, pack_sources=on_cpu and devices == 1,
                share_buckets=on_cpu, cut_least_padding=on_cpu)
 
+  @classmethod
+  def for_command(cls, platform: str, devices: int) -> Policy:
+    """decode.py's policy: `for_platform`'s, with the small decoders of a
+    command that loads its decoders for one file on a CPU. Training's test
+    translation plans with it too (`report.test_report`), so that the
+    decoders it compiles are those the first decode.py of the same lines
+    asks for."""
+    policy = cls.for_platform(platform, devices)
+    policy.small_decoders_for_few_rows = platform == "cpu"
+    return policy
+
   def batch_rows(self, batch_size: int, copies: int, batch_tokens: int = 0,
                  src_len: int = 0) -> int:
     """Rows of every decoding batch of inputs padded to `src_len`:

@@ -23,7 +23,7 @@ import sys
 import jax
 
 from transformer.data import text_io
-from transformer.decoding import loader, output, streaming
+from transformer.decoding import batch_plan, loader, output, streaming
 from transformer.decoding import options as decoding_options
 from transformer.runtime import errors
 from transformer.runtime import workdir as workdir_lib
@@ -165,8 +165,8 @@ def decode(request: Request, keep: list | None = None) -> dict:
   # One command, one file: its decoders are loaded for it alone, so on a CPU
   # those with few rows to decode are built small (less to load, a little
   # slower per row: batch_plan.Policy.small_decoders_for_few_rows).
-  translator.policy.small_decoders_for_few_rows = (
-      translator.mesh.devices.flat[0].platform == "cpu")
+  translator.policy = batch_plan.Policy.for_command(translator.platform,
+                                                    translator.decoders.devices)
   if not gc.isenabled():  # (decode.py turns it off while it starts)
     gc.freeze()  # what exists now lives to the end: never walked again
     gc.enable()

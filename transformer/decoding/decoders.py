@@ -89,6 +89,15 @@ class Decoders:
     self.logits_kernel = self._logits_kernel(self.params)
     self._logits_kernel_sharding = jax.tree.map(lambda x: x.sharding, self.logits_kernel)
 
+  def keep_in(self, model_dir: Path | None) -> None:
+    """Keeps the compiled decoders in `model_dir` (a workdir's `compiled/`,
+    or None: the machine's cache alone) from now on, and the logits kernel
+    there now (training's test translation: `report.test_report`)."""
+    self.model_dir = model_dir
+    if model_dir is not None and self.config.logits_via_embedding:
+      self._logits_kernel_fn = None  # (loaded again, and so kept there too)
+      self.logits_kernel = self._logits_kernel(self.params)
+
   def _logits_kernel(self, params):
     """The tied output projection laid out for decoding steps
     (`Transformer.logits_kernel`), once for all batches (a transpose of the

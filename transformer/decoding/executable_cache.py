@@ -102,16 +102,17 @@ def directory(subdirectory: str = SUBDIRECTORY) -> Path | None:
 
 
 def model_directory(model) -> Path | None:
-  """`<workdir>/compiled/` of `model` (a `workdir.Workdir`, or None), where
+  """`<workdir>/compiled/` of `model` (a `workdir.Workdir`, a workdir's path,
+  or None), where
   its decoders travel with it; None without one, with the cache off or
   $TRANSFORMER_WORKDIR_DECODERS=off (the tests' setting: they never write
   into the repository's fixtures), for a workdir that is not a local path, or
   with several processes."""
   if (model is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
       or jax.process_count() > 1
-      or not multihost.is_local(os.fspath(model.path))):
+      or not multihost.is_local(os.fspath(getattr(model, "path", model)))):
     return None
-  return Path(os.fspath(model.path)) / MODEL_SUBDIRECTORY
+  return Path(os.fspath(getattr(model, "path", model))) / MODEL_SUBDIRECTORY
 
 
 def _hash_sources() -> str:

@@ -67,14 +67,7 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
       logger.warning("%s", workdir.checkpoint_note)
   model_config = workdir.model_config
   tokenizer = load_tokenizer(workdir.vocab_path)
-  # The parameters' shapes, traced from the model once and then kept with the
-  # compiled decoders (a trace of the whole model at every start otherwise;
-  # `model.init_params` is imported only then: `transformer.model.__getattr__`;
-  # the key by its shape alone: making one compiles a small program).
-  target = executable_cache.load_or_eval_shape(
-      {"model": model_config.to_dict(), "of": "init_params"},
-      lambda rng: model.init_params(model_config, rng), jax.eval_shape(jax.random.key, 0),
-      model_dir=executable_cache.model_directory(workdir))
+  target = param_shapes(model_config, executable_cache.model_directory(workdir))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -86,6 +79,19 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
   translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding,
                           weights_dtype=weights_dtype, workdir=workdir)
   return (translator, info) if with_info else translator
+
+
+def param_shapes(model_config, model_dir=None):
+  """The parameters' shapes (`jax.ShapeDtypeStruct`s), traced from the model
+  once and then kept with the compiled decoders, in the machine's cache and
+  in `model_dir` (a workdir's `compiled/`): a trace of the whole model at
+  every start otherwise. `model.init_params` is imported only then
+  (`transformer.model.__getattr__`); the key's random key by its shape alone
+  (making one compiles a small program)."""
+  return executable_cache.load_or_eval_shape(
+      {"model": model_config.to_dict(), "of": "init_params"},
+      lambda rng: model.init_params(model_config, rng), jax.eval_shape(jax.random.key, 0),
+      model_dir=model_dir)
 
 
 def _restore(workdir: workdir_lib.Workdir, target) -> tuple[dict, dict]:

@@ -109,7 +109,8 @@ class Translator:
     self.config = model_config.replace(matmul_dtype=weights_dtype or model_config.matmul_dtype)
     self.tokenizer = tokenizer
     self.mesh = Mesh(np.array(jax.local_devices()), ("data",))
-    platform, devices = self.mesh.devices.flat[0].platform, len(self.mesh.devices.flat)
+    self.platform = platform = self.mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
+    devices = len(self.mesh.devices.flat)
     if (weights_dtype == "bfloat16" and platform == "cpu"
         and not BFLOAT16_CPU_FLAGS & executable_cache.host_cpu_flags()):
       logger.warning("weights_dtype=bfloat16 on a CPU without bfloat16 instructions "

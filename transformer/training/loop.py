@@ -237,8 +237,7 @@ def _time_budget(config, ckpt: checkpoints.Checkpointer, evaluate: evaluation.Ev
       test_tokens=evaluate.reference_tokens(test_pairs) if test_pairs else 0,
       eval_tokens=evaluate.reference_tokens(),
       test_cost=cost(test_method) / cost(config.eval_decode_method),
-      test_compile_cost=(time_budget_lib.BEAM_COMPILE_COST
-                         if test_method != config.eval_decode_method else 0.0),
+      test_compile_cost=time_budget_lib.TEST_COMPILE_COST,
       final_evaluations=2 if averaging else 1,
       checkpoints_to_average=config.average_last if averaging else 0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 
+from transformer.decoding import batch_plan, executable_cache, loader
 from transformer.training import metrics as metrics_lib
 from transformer.runtime import multihost
 from transformer import plotting
@@ -27,14 +28,31 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
   `metrics.translation_scores` against the targets, with the number of
   sentences, the seconds the translation took and those it compiled. With several processes
   each translates its share of the batches (`multihost.split_across_processes`), and every
-  process scores them all and writes them to its workdir."""
+  process scores them all and writes them to its workdir.
+
+  The test split is translated as decode.py translates a file (its policy:
+  `batch_plan.Policy.for_command`; its default batch), and the decoders it
+  compiles are kept in `<workdir>/compiled/` (`executable_cache.model_directory`):
+  the first `decode.py --workdir=<workdir>` of these lines, or of lines of
+  the same lengths, after training loads them instead of compiling."""
   sources = [source for source, _ in pairs]
   references = [target for _, target in pairs]
+  policy, kept_in = translator.policy, translator.decoders.model_dir
+  translator.policy = batch_plan.Policy.for_command(translator.platform,
+                                                    translator.decoders.devices)
+  model_dir = executable_cache.model_directory(workdir)
+  translator.decoders.keep_in(model_dir)
+  if model_dir is not None:  # (what decode.py's start reads besides: the parameters' shapes)
+    loader.param_shapes(translator.config, model_dir)
   start = time.perf_counter()
-  hypotheses = multihost.split_across_processes(
-      lambda sources, share: translator.translate(sources, method=method,
-                                                  beam_size=beam_size, share=share),
-      sources, what="test sentences")
+  try:
+    hypotheses = multihost.split_across_processes(
+        lambda sources, share: translator.translate(sources, method=method,
+                                                    beam_size=beam_size, share=share),
+        sources, what="test sentences")
+  finally:
+    translator.policy = policy
+    translator.decoders.keep_in(kept_in)
   seconds = time.perf_counter() - start
   path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
   multihost.write_file(path, "".join(line + "\n" for line in hypotheses))

@@ -15,7 +15,7 @@ estimates from what it has measured in this run (`TimeBudget.reserve_seconds`):
     otherwise make the end look far dearer than it is);
   * the test split's translation: its references' tokens at that speed,
     times BEAM_COST for beam search, plus the compilation of its decoders:
-    the evaluation's measured compile seconds times BEAM_COMPILE_COST;
+    the evaluation's measured compile seconds times TEST_COMPILE_COST;
   * before anything was measured, a guess: EARLY_RESERVE of the budget.
 
 The budget counts across resumptions: every checkpoint records the seconds
@@ -51,12 +51,14 @@ EARLY_RESERVE = 0.1           # share of the budget kept for the end before any 
 # Seconds of a beam-4 token / of a greedy one, both compiled (a CPU:
 # benchmarks/bench_decode.py, shape S, 70.5 vs 21.9 sentences/s).
 BEAM_COST = 3.5
-# Compile seconds of the 1,000 test sentences' beam decoders / of the 200
-# validation sentences' greedy ones: 16.5 / 6.5 s (2.5) on a quiet 2-core AVX2
-# CPU, 41.7 / 10.7 s (3.9) beside another job (small_corpus's model on
-# gettext-en-fr, buckets shared: docs/training.md). Overrunning the budget is
-# worse than ending a few seconds early: 3.
-BEAM_COMPILE_COST = 3.0
+# Compile seconds of the 1,000 test sentences' decoders / of the 200
+# validation sentences' greedy ones. The test is translated as decode.py
+# translates (its own decoders, whatever the method: `report.test_report`):
+# beam 4 16.5 / 6.5 s (2.5) on a quiet 2-core AVX2 CPU, 41.7 / 10.7 s (3.9)
+# beside another job; greedy 15.5 / 6.5 s (2.4) (small_corpus's model on
+# gettext-en-fr: docs/training.md). Overrunning the budget is worse than
+# ending a few seconds early: 3.
+TEST_COMPILE_COST = 3.0
 MARGIN_SECONDS = 5.0          # for what is not measured (writing the report, the curves)
 MEASURE_STEPS = 2             # updates timed after the first (compiling) one
 
@@ -77,7 +79,7 @@ class TimeBudget:
 
   def __init__(self, minutes: float, spent_seconds: float = 0.0, *,
                test_tokens: int = 0, eval_tokens: int = 0, test_cost: float = BEAM_COST,
-               test_compile_cost: float = BEAM_COMPILE_COST, final_evaluations: int = 1,
+               test_compile_cost: float = TEST_COMPILE_COST, final_evaluations: int = 1,
                checkpoints_to_average: int = 0,
                clock: Callable[[], float] = time.monotonic):
     self.seconds = float(minutes) * 60.0
