@@ -361,8 +361,8 @@ def test_decoders_with_few_rows_to_decode_are_built_small(run_example, monkeypat
 
 def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monkeypatch):
   """A batch decodes the first `first_search_length` steps of its search (a
-  cache that long), and searches again in full, in a batch of their own
-  with fewer rows, only the inputs that did not finish in them. Made 8 steps
+  cache that long), and searches again in full, in batches of 8 rows of
+  their own, only the inputs that did not finish in them. Made 8 steps
   here (12 for beam search), which the longer translations need more than
   (6 of 14 greedy; beam 4; 1 of 2 samples): the same translations and scores
   as the whole search at once (`first_search` off; greedy, beam 4 with its
@@ -390,6 +390,7 @@ def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monk
   whole = translate_all(None)
   assert all(decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
              for shape in translator.decoders.executables)
+  whole_decoders = set(translator.decoders.executables)
   translator.policy.first_search = True
   first_part = translate_all(dict(greedy=8, beam=12, sample=8))
   for (method, _), (want, none_again), (got, again) in zip(runs, whole, first_part):
@@ -398,10 +399,14 @@ def test_inputs_a_first_search_leaves_unfinished_are_searched_again_in_full(monk
     assert [[h.text for h in hyps] for hyps in got] == [[h.text for h in hyps] for hyps in want]
     np.testing.assert_allclose([[h.score for h in hyps] for hyps in got],
                                [[h.score for h in hyps] for hyps in want], rtol=1e-5)
-  again_shapes = [shape for shape in translator.decoders.executables
-                  if decoder_option(shape, "max_len") == decoder_option(shape, "search_len")
-                  and decoder_option(shape, "batch") < 16]
-  assert {shape[0] for shape in again_shapes} == {"greedy", "beam"}  # (6 samples' 12 rows: 16)
+  # Searched again by one decoder per first search's decoder, of 8 rows
+  # (sampling: 2 per input) however many inputs each left: greedy's 6 in one
+  # batch of 8 rows.
+  again = [shape for shape in set(translator.decoders.executables) - whole_decoders
+           if decoder_option(shape, "max_len") == decoder_option(shape, "search_len")]
+  first = [shape for shape in set(translator.decoders.executables) - whole_decoders
+           if decoder_option(shape, "max_len") < decoder_option(shape, "search_len")]
+  assert len(again) == len(first) and {decoder_option(s, "batch") for s in again} == {8}
 
 
 def test_packed_sources_translate_the_same_as_padded_ones(run_example):

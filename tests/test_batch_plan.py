@@ -108,8 +108,9 @@ def test_rows_by_tokens_and_devices():
 def test_small_decoders_and_searching_again():
   """Small only for greedy/sampling first searches of at most
   SMALL_DECODER_MAX_ROWS rows, where the policy allows; the decoder that
-  searches again holds the unfinished in as few rows as a power of two times
-  8 (a multiple of the devices, at most the batch), for the whole search."""
+  searches again has 8 rows (at least one input's, a multiple of the
+  devices, at most the batch's: one such decoder per first search's), for
+  the whole search."""
   policy = Policy(small_decoders_for_few_rows=True)
   limit = batch_plan.SMALL_DECODER_MAX_ROWS
   assert policy.small_decoder("greedy", limit, True) is True
@@ -120,11 +121,12 @@ def test_small_decoders_and_searching_again():
   shape = DecoderShape("greedy", 128, 16, 32, 1, 0, search_len=66, shrink_factor=4,
                        small=True)
   assert shape.first_search
-  again = batch_plan.search_again_shape(shape, 9, devices=1)
-  assert (again.batch, again.max_len, again.small, again.first_search) == (16, 66, False,
+  again = batch_plan.search_again_shape(shape, copies=1, devices=1)
+  assert (again.batch, again.max_len, again.small, again.first_search) == (8, 66, False,
                                                                            False)
-  assert batch_plan.search_again_shape(shape, 3, devices=1).batch == 8
-  assert batch_plan.search_again_shape(shape, 3, devices=3).batch == 9
+  assert batch_plan.search_again_shape(shape, copies=12, devices=1).batch == 12  # (one input)
+  assert batch_plan.search_again_shape(shape, copies=1, devices=3).batch == 9
+  assert batch_plan.search_again_shape(shape._replace(batch=4), 1, devices=1).batch == 4
 
 
 def test_shrinking_steps():

@@ -231,15 +231,19 @@ def test_summary_line():
     (8, 58, 0, 24),     # 8 + 16: at least 16 more tokens
     (16, 66, 0, 32),
     (32, 82, 0, 48),    # 32 + 32 / 2
-    (64, 114, 0, 96),
+    (64, 114, 0, 114),  # 96 > 3/4 of 114: the whole search
+    (64, 128, 0, 96),   # 96 = 3/4 of 128
     (7, 57, 0, 24),     # 7 + 16 = 23, whole early-exit chunks (2)
     (8, 58, 5, 30),     # 5 + 8 + 16 = 29 -> 30
     (8, 20, 0, 20),     # never past the search itself
+    (8, 30, 0, 30),     # 24 > 3/4 of 30
     (128, 178, 0, 178),
 ])
 def test_first_search_length_is_the_source_and_half_of_it_at_least_16_more(
     src_len, out_len, min_len, first):
+  """... where that is at most 3/4 of the search; else the whole search."""
   assert options.EARLY_EXIT_CHUNK == 2 and batching.FIRST_SEARCH_EXTRA == 16
+  assert batching.FIRST_SEARCH_MAX_SHARE == 0.75
   assert batching.first_search_length(src_len, out_len, min_len) == first
 
 

@@ -270,14 +270,18 @@ def plan(encoded: Sequence[list[int]], request: Request, policy: Policy, *,
   return Plan(mine[::-1] if LONGEST_FIRST else mine, limits)
 
 
-def search_again_shape(shape: DecoderShape, rows: int, devices: int) -> DecoderShape:
+def search_again_shape(shape: DecoderShape, copies: int, devices: int) -> DecoderShape:
   """The decoder that searches again in full (max_len = search_len) the
-  inputs of a batch of `shape` that its first search left unfinished, `rows`
-  of them: as few rows as hold them (SHRINK_MIN_ROWS times a power of two, a
-  multiple of the devices, at most the batch's)."""
-  needed = batching.power_of_two_at_least(rows, SHRINK_MIN_ROWS)
-  return shape._replace(batch=min(shape.batch, batching.round_up(needed, devices)),
-                        max_len=shape.search_len, shrink_factor=SHRINK_FACTOR, small=False)
+  inputs that first searches of `shape` left unfinished, `copies` rows an
+  input: SHRINK_MIN_ROWS rows (at least one input's, a multiple of the
+  devices, at most the batch's), which never shrink. One such decoder per
+  first search's, however many inputs are left (they go in as many batches
+  as they fill): a first run compiles at most one more per bucket, the
+  smallest, and training's test translation compiles the ones decode.py
+  asks for (`report.test_report`)."""
+  rows = batching.round_up(max(SHRINK_MIN_ROWS, copies), devices)
+  return shape._replace(batch=min(shape.batch, rows), max_len=shape.search_len,
+                        shrink_factor=SHRINK_FACTOR, small=False)
 
 
 def shrinking(shape: DecoderShape, devices: int) -> Shrinking | None:

@@ -30,6 +30,14 @@ MIN_BUCKET = 8
 # more tokens (its cache that long), and searches again in full only the inputs
 # not finished by then (`first_search_length`).
 FIRST_SEARCH_EXTRA = 16
+# ... and none where that is more than this share of the search (sources of
+# 64 tokens: 96 of 114 steps): a cache shorter by less than a quarter saves
+# too little to pay for searching its unfinished inputs twice, and for their
+# decoder. 1,000 gettext lines, the 10-minute small-corpus model, 2-core AVX2
+# CPU, in one process (5 alternating rounds): greedy 1.97 -> 1.84 s, beam 4
+# 5.96 -> 5.50 s, the same translations; a first decode.py compiles 1 decoder
+# fewer (greedy 3 -> 2, beam 4 5 -> 4: docs/decoding.md).
+FIRST_SEARCH_MAX_SHARE = 0.75
 # What a decoder of its own costs, in the units of padding (decoder rows
 # times the growth of the squared padded length): loading one from disk costs
 # ~0.2 s however few rows it decodes (compiling it, seconds), and padding a
@@ -188,14 +196,17 @@ def _least_padding_cuts(lengths: Sequence[int], capacity: int, batches: int) -> 
 def first_search_length(src_len: int, out_len: int, min_len: int) -> int:
   """The steps a batch of inputs padded to `src_len` decodes first, of the
   `out_len` its search may run: past `min_len`, the padded source plus half
-  of it, at least FIRST_SEARCH_EXTRA tokens more (whole early-exit chunks).
+  of it, at least FIRST_SEARCH_EXTRA tokens more (whole early-exit chunks);
+  the whole search (`out_len`: no first search) where that is more than
+  FIRST_SEARCH_MAX_SHARE of it.
   A step reads its whole cache, which is as long as the steps decoded: the
   default out_len (the source + 50) is 2.4x this for sources of 8 tokens,
   1.7x for 16. The inputs not finished by then are searched again in full
   (`batch_plan.search_again_shape`): a translation 1.5x its source's padded
   length is rare."""
   first = min_len + src_len + max(FIRST_SEARCH_EXTRA, src_len // 2)
-  return min(out_len, round_up(first, options.EARLY_EXIT_CHUNK))
+  first = round_up(first, options.EARLY_EXIT_CHUNK)
+  return first if first <= FIRST_SEARCH_MAX_SHARE * out_len else out_len
 
 
 def pack_batch(inputs: Sequence[list[int]], rows: int, length: int, copies: int) -> np.ndarray:

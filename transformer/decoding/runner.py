@@ -84,10 +84,12 @@ def run(decoders: Decoders, plan: Plan, args: Arguments,
   """Decodes `plan`'s batches with `decoders`, in up to `lanes` lanes. Each
   batch's finished inputs go to `detokenize(members, seqs [n, k, len], scores
   [n, k])` (-> tokens generated); those its first search left unfinished are
-  searched again in full, after the rest, by a decoder as small as holds
-  them (`batch_plan.search_again_shape`). `overlap` False: each batch read
-  back before the next is dispatched (for measuring what the overlap gains)."""
-  searched_again: list[tuple[DecoderShape, list[int]]] = []
+  searched again in full, after the rest, those of every batch of one
+  decoder together (`batch_plan.search_again_shape`: one decoder for them).
+  `overlap` False: each batch read back before the next is dispatched (for
+  measuring what the overlap gains)."""
+  unfinished: dict[DecoderShape, list[int]] = {}  # first search's decoder -> its inputs
+  take_unfinished = threading.Lock()  # (lanes finish side by side)
 
   def finish(pending) -> int:
     """A dispatched batch read back (waiting for the device only if it is
@@ -98,10 +100,8 @@ def run(decoders: Decoders, plan: Plan, args: Arguments,
       copies = args.copies
       done = done[:len(members) * copies].reshape(len(members), copies).all(axis=1)
       if not done.all():
-        searched_again.append(
-            (batch_plan.search_again_shape(shape, int((~done).sum()) * copies,
-                                           decoders.devices),
-             [i for i, d in zip(members, done) if not d]))
+        with take_unfinished:
+          unfinished.setdefault(shape, []).extend(i for i, d in zip(members, done) if not d)
         kept = np.flatnonzero(done)
         members = [members[k] for k in kept]
         picked = (kept[:, None] * copies + np.arange(copies)).reshape(-1)  # their rows
@@ -110,13 +110,18 @@ def run(decoders: Decoders, plan: Plan, args: Arguments,
 
   compile_seconds = _prepare(decoders, plan.batches, args)
   totals = _decode_in_lanes(decoders, plan.batches, args, finish, lanes, overlap)
-  if searched_again:  # (rare: `batching.first_search_length`)
-    again = sorted(searched_again, key=lambda batch: batch[1][0])
+  again = []  # (rare: `batching.first_search_length`)
+  for shape, members in sorted(unfinished.items(), key=lambda item: min(item[1])):
+    again_shape = batch_plan.search_again_shape(shape, args.copies, decoders.devices)
+    members, per_batch = sorted(members), again_shape.batch // args.copies
+    again += [(again_shape, members[start:start + per_batch])
+              for start in range(0, len(members), per_batch)]
+  if again:
     compile_seconds += _prepare(decoders, again, args)
     totals += _decode_in_lanes(decoders, again, args, finish, lanes, overlap)
   return Totals(compile_seconds, sum(tokens for tokens, _ in totals),
                 sum(seconds for _, seconds in totals),
-                sum(len(members) for _, members in searched_again))
+                sum(len(members) for members in unfinished.values()))
 
 
 def _prepare(decoders: Decoders, batches, args: Arguments) -> float:
