@@ -4,7 +4,7 @@ for on a fresh machine (issue 54; docs/decoding.md "How it is fast").
     python train.py ... --workdir=W          # then at once:
     python benchmarks/cold_start.py --workdir=W \
         --input=../shared/corpora/gettext-en-fr/test.tsv --lines=1000 \
-        --methods=greedy,beam -- --batch_size=32
+        --methods=beam,greedy -- --batch_size=32
 
 For each method, whole `decode.py` commands of the first `--lines` source lines
 of `--input` (a TSV's first column, or a text file), each timed from the
@@ -58,7 +58,7 @@ def main() -> None:
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--input", required=True)
   parser.add_argument("--lines", type=int, default=1000)
-  parser.add_argument("--methods", default="greedy,beam")
+  parser.add_argument("--methods", default="beam,greedy")  # (beam: what training compiled)
   parser.add_argument("--cache", default=None,
                       help="the machine's compilation cache for `first` and `warm` "
                            "(default: decode.py's)")

@@ -108,11 +108,11 @@ def model_directory(model) -> Path | None:
   $TRANSFORMER_WORKDIR_DECODERS=off (the tests' setting: they never write
   into the repository's fixtures), for a workdir that is not a local path, or
   with several processes."""
-  if (model is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
-      or jax.process_count() > 1
-      or not multihost.is_local(os.fspath(getattr(model, "path", model)))):
+  path = None if model is None else os.fspath(getattr(model, "path", model))
+  if (path is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
+      or jax.process_count() > 1 or not multihost.is_local(path)):
     return None
-  return Path(os.fspath(getattr(model, "path", model))) / MODEL_SUBDIRECTORY
+  return Path(path) / MODEL_SUBDIRECTORY
 
 
 def _hash_sources() -> str:
