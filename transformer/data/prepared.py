@@ -238,10 +238,68 @@ def read_manifest(directory: str) -> dict | None:
   if not os.path.exists(path):
     return None
   try:
-    return json.loads(open(path, encoding="utf-8").read())
-  except ValueError as e:
+    with open(path, "rb") as f:
+      raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+      raise ValueError(f"larger than {MAX_MANIFEST_BYTES:,} bytes")
+    manifest = json.loads(raw.decode("utf-8"))
+  except ValueError as e:  # (UnicodeDecodeError, JSONDecodeError among them)
     raise PreparedDataError(f"{path} is not valid JSON ({e}); remove {directory} and "
                             "prepare it again.") from None
+  problem = manifest_problem(manifest)
+  if problem:
+    raise PreparedDataError(f"{path} is not a manifest this version wrote ({problem}); "
+                            f"remove {directory} and prepare it again.")
+  return manifest
+
+
+MAX_MANIFEST_BYTES = 1 << 26  # 64 MB: ~100 bytes a shard, a few hundred a corpus file
+_MAX_COUNT = 1 << 48          # examples or ids: past any corpus, yet an int64
+
+
+def _count(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT
+
+
+def manifest_problem(manifest) -> str | None:
+  """Why `manifest` (read from a directory that may come from elsewhere) is not
+  one `prepare` writes, in a few words, or None. Checks the types and ranges of
+  everything `open_prepared` and `PreparedCorpus` use: the format, the id type
+  (only those `id_dtype` gives), the shards' names (exactly shard-00000,
+  shard-00001, ...: no path leaves the directory) and counts, the corpus."""
+  if not isinstance(manifest, dict):
+    return "not a JSON object"
+  if manifest.get("format") != FORMAT:
+    return None  # (open_prepared names the format and what to do)
+  for name in ("num_examples", "vocab_size", "source_tokens", "target_tokens"):
+    if not _count(manifest.get(name)):
+      return f"{name} is not a count"
+  if manifest["vocab_size"] < 1 or manifest.get("dtype") != id_dtype(manifest["vocab_size"]).str:
+    return f"dtype {manifest.get('dtype')!r:.20} is not the id type of {manifest['vocab_size']} ids"
+  if not isinstance(manifest.get("vocabulary_sha256"), str):
+    return "vocabulary_sha256 is not a string"
+  corpus = manifest.get("corpus")
+  if not (isinstance(corpus, dict) and isinstance(corpus.get("description"), str)
+          and _count(corpus.get("num_pairs")) and isinstance(corpus.get("sha256"), str)
+          and isinstance(corpus.get("files"), list)):
+    return "corpus is not {description, num_pairs, sha256, files}"
+  for f in corpus["files"]:
+    if not (isinstance(f, dict) and isinstance(f.get("path"), str) and _count(f.get("size"))
+            and isinstance(f.get("mtime_ns"), int)):
+      return "a corpus file is not {path, size, mtime_ns}"
+  shards = manifest.get("shards")
+  if not isinstance(shards, list) or not shards:
+    return "shards is not a list of shards"
+  for index, shard in enumerate(shards):
+    if not isinstance(shard, dict) or shard.get("name") != _shard_name(index):
+      return f"shard {index} is not named {_shard_name(index)}"
+    for name in ("num_examples", "source_tokens", "target_tokens"):
+      if not _count(shard.get(name)):
+        return f"{_shard_name(index)}'s {name} is not a count"
+  for name in ("num_examples", "source_tokens", "target_tokens"):
+    if sum(shard[name] for shard in shards) != manifest[name]:
+      return f"its shards' {name} do not add up to {manifest[name]}"
+  return None
 
 
 class PreparedCorpus:
@@ -254,6 +312,7 @@ class PreparedCorpus:
   def __init__(self, directory: str, manifest: dict):
     self.directory, self.manifest = directory, manifest
     self.dtype = np.dtype(manifest["dtype"])
+    self.vocab_size = int(manifest["vocab_size"])
     counts = [s["num_examples"] for s in manifest["shards"]]
     self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     self._maps = None
@@ -287,8 +346,21 @@ class PreparedCorpus:
     inputs, targets, offsets = maps[shard]
     j = index - int(self._starts[shard])
     src_start, tgt_start, src_end, tgt_end = offsets[j:j + 2].ravel().tolist()
-    return {"inputs": np.asarray(inputs[src_start:src_end], np.int32),
-            "targets": np.asarray(targets[tgt_start:tgt_end], np.int32)}
+    if not (0 <= src_start <= src_end <= len(inputs) and 0 <= tgt_start <= tgt_end <= len(targets)):
+      raise PreparedDataError(
+          f"{os.path.join(self.directory, self.manifest['shards'][shard]['name'])}.offsets "
+          f"gives example {j} the ids {src_start}:{src_end} and {tgt_start}:{tgt_end}, outside "
+          f"its shard: {self.directory} is damaged. Remove it and prepare it again.")
+    example = {"inputs": np.asarray(inputs[src_start:src_end], np.int32),
+               "targets": np.asarray(targets[tgt_start:tgt_end], np.int32)}
+    for part, ids in example.items():
+      if ids.size and not (int(ids.max()) < self.vocab_size
+                           and (self.dtype.kind == "u" or int(ids.min()) >= 0)):
+        raise PreparedDataError(
+            f"{os.path.join(self.directory, self.manifest['shards'][shard]['name'])}.{part} "
+            f"holds ids outside [0, {self.vocab_size}) in example {j}: {self.directory} is "
+            "damaged. Remove it and prepare it again.")
+    return example
 
   def __repr__(self) -> str:
     return (f"PreparedCorpus({self.directory!r}, {len(self)} examples from "

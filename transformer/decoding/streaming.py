@@ -78,12 +78,44 @@ class Progress:
 
   @classmethod
   def load(cls, path: str) -> "Progress":
+    """The record at `path`, read as JSON and checked field by field (it sits
+    beside an output that may have come from elsewhere): ResumeMismatch, one
+    sentence naming the file, for anything else."""
     try:
-      with open(path, encoding="utf-8") as f:
-        return cls(**json.load(f))
-    except (ValueError, TypeError) as e:
+      with open(path, "rb") as f:
+        raw = f.read(MAX_RECORD_BYTES + 1)
+      if len(raw) > MAX_RECORD_BYTES:
+        raise ValueError(f"larger than {MAX_RECORD_BYTES:,} bytes")
+      record = json.loads(raw.decode("utf-8"))
+      if not isinstance(record, dict) or set(record) != _FIELDS:
+        raise ValueError(f"expected a JSON object with the fields {sorted(_FIELDS)}")
+      problem = _record_problem(record)
+      if problem:
+        raise ValueError(problem)
+      return cls(**record)
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError, JSONDecodeError among them)
       raise ResumeMismatch(f"{path} is not a progress record ({e}); delete it to start "
                            "the output afresh") from None
+
+
+MAX_RECORD_BYTES = 1 << 20  # a record holds a few counts, a hash and the run's options
+_FIELDS = {f.name for f in dataclasses.fields(Progress)}
+_MAX_COUNT = 1 << 62        # lines or bytes: past any file, yet an int64
+
+
+def _record_problem(record: dict) -> str | None:
+  """Why a progress record's fields are absurd, or None."""
+  for name in ("lines_done", "output_bytes"):
+    value = record[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _MAX_COUNT:
+      return f"{name} must be a count (an integer >= 0), not {json.dumps(value)[:40]}"
+  digest = record["input_sha256"]
+  if (not isinstance(digest, str) or len(digest) != 64
+      or any(c not in "0123456789abcdef" for c in digest)):
+    return "input_sha256 must be a SHA-256 in hexadecimal"
+  if not isinstance(record["run"], dict):
+    return "run must be a JSON object (the model and options of that run)"
+  return None
 
 
 def _differences(stored: dict, requested: dict, prefix: str = "") -> list[str]:
@@ -218,13 +250,19 @@ def _plan(record_path: str, run: dict) -> Progress | None:
   if jax.process_index() == 0:
     record, problem = None, ""
     if os.path.exists(record_path):
+      output_path = record_path[:-len(".progress.json")]
       try:
         record = Progress.load(record_path)
         if differences := _differences(record.run, run):
           problem = (f"{record_path} records a run with another model or options, so "
-                     f"{record_path[:-len('.progress.json')]} cannot be continued: "
+                     f"{output_path} cannot be continued: "
                      f"{'; '.join(differences)}. Run the same command as then, or delete "
                      "the record to start the output afresh.")
+        elif (os.path.exists(output_path)
+              and os.path.getsize(output_path) < record.output_bytes):
+          problem = (f"{record_path} records {record.output_bytes} bytes of {output_path} "
+                     f"done, but it holds {os.path.getsize(output_path)}: not that output; "
+                     "delete the record to start the output afresh")
       except ResumeMismatch as e:
         problem = str(e)
     message = json.dumps({"problem": problem,

@@ -229,7 +229,13 @@ def import_model(model: str, workdir: str, *, revision: str | None = None,
   source = read_model(model, revision=revision)
   tokenizer = marian_tokenizer.MarianTokenizer(source.source_spm, source.target_spm,
                                                source.pieces)
-  params = params_from_marian(source.weights, source.config, source.decoder_start)
+  try:
+    params = params_from_marian(source.weights, source.config, source.decoder_start)
+  except MarianImportError as e:
+    raise MarianImportError(f"{source.origin}: {e}") from None
+  except (ValueError, IndexError, TypeError) as e:  # (a reshape or index of a wrong shape)
+    raise MarianImportError(f"{source.origin}: its parameters do not have the shapes its "
+                            f"config gives ({type(e).__name__}: {str(e)[:200]})") from None
   _prepare(workdir, force)
   info = {"imported_from": model, "path": source.origin, "revision": revision,
           "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zipfile
 
 import numpy as np
 
@@ -88,11 +89,39 @@ def read_hf_directory(path: str) -> MarianModel:
   from safetensors.numpy import load_file
 
   _check_hf_files(path)
-  hf = _json(os.path.join(path, "config.json"))
   where = os.path.join(path, "config.json")
+  hf = _json_object(where)
+  try:
+    config, pieces, share, tied, pad = _hf_config(path, hf, where)
+  except MarianImportError:
+    raise
+  except (KeyError, TypeError, ValueError) as e:  # (a field missing or of another type)
+    raise MarianImportError(f"{where}: not the config of a Marian model this importer reads "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
+  weights_file = os.path.join(path, "model.safetensors")
+  try:
+    tensors = load_file(weights_file)
+  except Exception as e:  # (safetensors' SafetensorError: a header or size that is wrong)
+    raise MarianImportError(f"{weights_file} is not a safetensors file this importer can "
+                            f"read ({type(e).__name__}: {str(e)[:200]})") from None
+  weights = _marian_names(tensors, config, share, tied, weights_file)
+  start_id = hf.get("decoder_start_token_id")
+  start = _decoder_start(tensors, share, pad if start_id is None else start_id,
+                         len(pieces) + 1, weights_file)
+  return MarianModel(weights, config, pieces, _read(path, "source.spm"),
+                     _read(path, "target.spm"), origin=os.path.abspath(path),
+                     decoder_start=start)
+
+
+def _hf_config(path: str, hf: dict, where: str):
+  """(config, pieces without <pad>, share, tied, pad id) of a Hugging Face
+  Marian directory's config.json (`hf`) and vocab.json."""
   if hf.get("model_type") != "marian":
     raise MarianImportError(f"{where}: model_type {hf.get('model_type')!r}, not 'marian'")
-  vocab = _json(os.path.join(path, "vocab.json"))
+  vocab = _json_object(os.path.join(path, "vocab.json"))
+  if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
+    raise MarianImportError(f"{os.path.join(path, 'vocab.json')}: expected piece: id pairs, "
+                            "the ids integers")
   pieces = [piece for piece, _ in sorted(vocab.items(), key=lambda item: item[1])]
   if sorted(vocab.values()) != list(range(len(vocab))):
     raise MarianImportError(f"{os.path.join(path, 'vocab.json')}: its ids are not 0 ... "
@@ -130,14 +159,7 @@ def read_hf_directory(path: str) -> MarianModel:
       normalization="post", share_embeddings=share, logits_via_embedding=tied,
       dropout_rate=float(hf.get("dropout", 0.1)),
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)))
-  tensors = load_file(os.path.join(path, "model.safetensors"))
-  weights = _marian_names(tensors, config, share, tied, os.path.join(path, "model.safetensors"))
-  start_id = hf.get("decoder_start_token_id")
-  start = _decoder_start(tensors, share, pad if start_id is None else start_id,
-                         len(pieces) + 1, os.path.join(path, "model.safetensors"))
-  return MarianModel(weights, config, pieces, _read(path, "source.spm"),
-                     _read(path, "target.spm"), origin=os.path.abspath(path),
-                     decoder_start=start)
+  return config, pieces, share, tied, pad
 
 
 def _check_hf_files(path: str) -> None:
@@ -226,6 +248,9 @@ def _check_positions(tensors: dict, side: str, d_model: int, where: str) -> None
   if name not in tensors:
     return
   table = np.asarray(tensors[name], np.float32)
+  if table.ndim != 2 or table.shape[1] != d_model:
+    raise MarianImportError(f"{where}: {name} has shape {table.shape}, not [positions, "
+                            f"d_model={d_model}]")
   if not np.allclose(table, marian_position_table(table.shape[0], d_model), atol=1e-4):
     raise MarianImportError(f"{where}: {name} is not Marian's sinusoidal table (learned "
                        "positions are not imported)")
@@ -249,11 +274,10 @@ def read_marian_release(path: str) -> MarianModel:
   import yaml
 
   decoder_yml = os.path.join(path, "decoder.yml")
-  with open(decoder_yml, encoding="utf-8") as f:
-    decoder = yaml.safe_load(f)
+  decoder = _yaml(decoder_yml)
   try:
-    model_file = os.path.join(path, decoder["models"][0])
-    vocab_files = [os.path.join(path, v) for v in decoder["vocabs"]]
+    model_file = _inside(path, decoder["models"][0], decoder_yml)
+    vocab_files = [_inside(path, v, decoder_yml) for v in decoder["vocabs"]]
   except (KeyError, IndexError, TypeError):
     raise MarianImportError(f"{decoder_yml}: expected 'models: [<file>.npz]' and 'vocabs: "
                        "[<source>.yml, <target>.yml]'") from None
@@ -267,10 +291,24 @@ def read_marian_release(path: str) -> MarianModel:
     raise MarianImportError(f"{decoder_yml}: separate source and target vocabularies are not "
                        "supported: this model has one vocabulary for both sides")
   marian_tokenizer.check_marian_pieces(vocabs[0], vocab_files[0])
-  npz = np.load(model_file)
-  weights = {name: npz[name] for name in npz.files if not name.startswith("special:")}
-  options = _npz_options(npz, model_file)
-  config = _config_from_options(options, len(vocabs[0]), weights, model_file)
+  try:  # (never a pickle: allow_pickle=False refuses one, and object arrays, unread)
+    with np.load(model_file, allow_pickle=False) as npz:
+      weights = {name: npz[name] for name in npz.files if not name.startswith("special:")}
+      options = _npz_options(npz, model_file)
+  except MarianImportError:
+    raise
+  except (OSError, ValueError, AttributeError, EOFError, zipfile.BadZipFile) as e:
+    raise MarianImportError(f"{model_file} is not a Marian .npz model this importer can "
+                            f"read ({type(e).__name__}: {str(e)[:200]})") from None
+  if not all(w.dtype.kind == "f" for w in weights.values()):
+    raise MarianImportError(f"{model_file}: its parameters must be floating-point arrays")
+  try:
+    config = _config_from_options(options, len(vocabs[0]), weights, model_file)
+  except MarianImportError:
+    raise
+  except (KeyError, TypeError, ValueError) as e:  # (an option missing or of another type)
+    raise MarianImportError(f"{model_file}: its options (special:model.yml) are not those of "
+                            f"a Marian transformer ({type(e).__name__}: {str(e)[:200]})") from None
   # Marian-NMT starts the decoder from a zero vector (no start token).
   return MarianModel(weights, config, vocabs[0], _read(path, "source.spm"),
                      _read(path, "target.spm"), origin=os.path.abspath(path),
@@ -283,7 +321,14 @@ def _npz_options(npz, where: str) -> dict:
   if "special:model.yml" not in npz.files:
     raise MarianImportError(f"{where}: no 'special:model.yml' (the model's options)")
   raw = np.asarray(npz["special:model.yml"]).astype(np.uint8).tobytes().rstrip(b"\0")
-  return yaml.safe_load(raw.decode("utf-8"))
+  try:
+    options = yaml.safe_load(raw.decode("utf-8"))
+  except (UnicodeDecodeError, yaml.YAMLError) as e:
+    raise MarianImportError(f"{where}: its 'special:model.yml' is not YAML "
+                            f"({' '.join(str(e).split())[:200]})") from None
+  if not isinstance(options, dict):
+    raise MarianImportError(f"{where}: its 'special:model.yml' is not a mapping of options")
+  return options
 
 
 def _config_from_options(options: dict, vocab_size: int, weights: dict,
@@ -353,7 +398,13 @@ def load_marian_vocab(path: str) -> list[str]:
       if not sep or index is None:
         raise MarianImportError(f"{path}, line {number}: expected '<piece>: <id>', got {line!r}")
       if key.startswith(('"', "'")):  # quoted: YAML's own rules for the string
-        key = yaml.safe_load(key)
+        try:
+          key = yaml.safe_load(key)
+        except yaml.YAMLError:
+          key = None
+        if not isinstance(key, str):
+          raise MarianImportError(f"{path}, line {number}: {line[:80]!r} is not a quoted "
+                                  "piece")
       entries[index] = key
   if sorted(entries) != list(range(len(entries))):
     raise MarianImportError(f"{path}: its ids are not 0 ... {len(entries) - 1}")
@@ -365,12 +416,42 @@ def load_marian_vocab(path: str) -> list[str]:
 # ----------------------------------------------------------------------------
 
 
-def _json(path: str):
+def _json_object(path: str) -> dict:
+  """The JSON object in `path`; MarianImportError naming it otherwise."""
   try:
     with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  except ValueError as e:
+      value = json.load(f)
+  except ValueError as e:  # (UnicodeDecodeError among them)
     raise MarianImportError(f"{path} is not valid JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise MarianImportError(f"{path} is not a JSON object")
+  return value
+
+
+def _yaml(path: str) -> dict:
+  """The YAML mapping in `path` (yaml.safe_load: plain data, no Python objects)."""
+  import yaml
+
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = yaml.safe_load(f)
+  except (UnicodeDecodeError, yaml.YAMLError) as e:
+    raise MarianImportError(f"{path} is not YAML ({' '.join(str(e).split())[:200]})") from None
+  if not isinstance(value, dict):
+    raise MarianImportError(f"{path} is not a YAML mapping")
+  return value
+
+
+def _inside(directory: str, name, where: str) -> str:
+  """`directory`/`name` for a file `where` names: a relative path that stays in
+  `directory` (no absolute path, no ..); MarianImportError otherwise."""
+  if not isinstance(name, str):
+    raise TypeError(name)
+  parts = name.replace("\\", "/").split("/")
+  if not name or os.path.isabs(name) or ".." in parts:
+    raise MarianImportError(f"{where} names {name[:200]!r}, which is not a file of {directory} "
+                            "(an absolute path or one that climbs out with ..)")
+  return os.path.join(directory, name)
 
 
 def _read(path: str, name: str) -> bytes:

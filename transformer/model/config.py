@@ -4,6 +4,9 @@ checks that name a bad field before anything is traced."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
@@ -69,12 +72,29 @@ class TransformerConfig:
 
   @classmethod
   def from_dict(cls, values) -> "TransformerConfig":
-    """Builds a config from a mapping, ignoring keys that are not fields."""
+    """Builds a config from a mapping, ignoring keys that are not fields.
+
+    The mapping may come from a file someone else wrote (a workdir's
+    model_config.json, an imported model's config): a value of the wrong
+    type or out of range (`MAX_SIZES`) is a ValueError naming the field, never
+    a TypeError from deep inside (the caller names the file)."""
+    if not isinstance(values, Mapping):
+      raise ValueError(f"a model config must be a mapping of field names to values, not "
+                       f"{type(values).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(values).items() if k in names})
+    return cls(**{k: v for k, v in values.items() if k in names})
 
 
 _DTYPES = ("float32", "bfloat16", "float16")
+# The largest size a config may ask for: far above any model this code trains or
+# imports (the paper's big model: d_model 1024, d_ff 4096; the largest published
+# Transformers: d_model ~18k, d_ff ~74k, vocabularies ~256k), yet small enough
+# that a hand-edited or hostile model_config.json is refused in one sentence
+# instead of asking for terabytes when the parameters are traced or restored.
+MAX_SIZES = {"vocab_size": 1 << 22, "d_model": 1 << 16, "num_heads": 1 << 10,
+             "d_ff": 1 << 18, "max_len": 1 << 20, "num_encoder_layers": 512,
+             "num_decoder_layers": 512}
+_BOOLS = ("share_embeddings", "logits_via_embedding", "logits_bias", "scan_layers", "remat")
 MATMUL_DTYPES = (None, "bfloat16")  # (`matmul_dtype`; `Translator(weights_dtype=)`)
 _CHOICES = {"normalization": ("post", "pre"), "activation": ("relu", "gelu", "swish"),
             "positional": ("sinusoidal", "learned"), "dtype": _DTYPES,
@@ -86,19 +106,26 @@ def _check_config(config: TransformerConfig) -> None:
   """Raises a ValueError naming the first field of `config` with a bad value."""
   def check(field, ok, problem):
     if not ok(getattr(config, field)):
-      raise ValueError(f"TransformerConfig.{field}={getattr(config, field)!r}: {problem}")
+      shown = repr(getattr(config, field))
+      shown = shown if len(shown) <= 60 else f"{shown[:40]}... ({len(shown)} characters)"
+      raise ValueError(f"TransformerConfig.{field}={shown}: {problem}")
 
-  for field in ("vocab_size", "d_model", "num_heads", "d_ff", "max_len",
-                "num_encoder_layers", "num_decoder_layers"):
-    check(field, lambda v: isinstance(v, int) and v >= 1, "must be a positive integer")
+  for field, most in MAX_SIZES.items():
+    check(field, lambda v: _is_int(v) and 1 <= v <= most,
+          f"must be a positive integer of at most {most:,}")
   check("d_model", lambda v: v % config.num_heads == 0, f"must be divisible by num_heads="
         f"{config.num_heads} (each head gets d_model / num_heads dimensions)")
   for field in ("dropout_rate", "attention_dropout_rate"):
-    check(field, lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
+    check(field, lambda v: _is_number(v) and 0.0 <= v < 1.0, "must be a number in [0, 1)")
+  check("layer_norm_epsilon", lambda v: _is_number(v) and 0.0 <= v <= 1.0,
+        "must be a number in [0, 1]")
+  for field in _BOOLS:
+    check(field, lambda v: isinstance(v, bool), "must be true or false")
   for field, choices in _CHOICES.items():
-    check(field, lambda v: v in choices, f"must be one of {choices} (the first is the default)")
+    check(field, lambda v: isinstance(v, (str, type(None))) and v in choices,
+          f"must be one of {choices} (the first is the default)")
   for field in ("pad_id", "eos_id", "bos_id"):
-    check(field, lambda v: 0 <= v < config.vocab_size,
+    check(field, lambda v: _is_int(v) and 0 <= v < config.vocab_size,
           f"must be a token id in [0, vocab_size={config.vocab_size})")
   # Forcing cuDNN where it cannot run fails here, not deep inside a jit trace.
   cudnn = cudnn_problem(config.dtype, config.head_dim, config.attention_dropout_rate,
@@ -106,3 +133,12 @@ def _check_config(config: TransformerConfig) -> None:
   check("attention_implementation", lambda v: cudnn is None,
         f"{cudnn}; change that, or set attention_implementation=None (cuDNN where "
         "it applies, else XLA) or 'xla'")
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))

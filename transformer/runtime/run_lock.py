@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import stat
 
 import jax
 
@@ -29,6 +30,7 @@ class WorkdirLocked(RuntimeError):
   (processes with a workdir each)."""
 
   def __init__(self, workdir: str, holder: dict, *, elsewhere: bool = False):
+    holder = _shown_holder(holder)
     who = (f"PID {holder.get('pid', '?')} on host {holder.get('host', '?')}"
            + (f", started {holder['started']}" if holder.get("started") else ""))
     if elsewhere:
@@ -67,7 +69,7 @@ def hold(workdir: str, *, shared: bool = True):
     if multihost.is_local(workdir):
       try:
         fd = _lock(os.path.join(workdir, LOCK_FILE))
-      except WorkdirLocked as e:
+      except (WorkdirLocked, LockFileRefused) as e:
         refused = e
     else:
       logger.info("%s is not on a local file system: it cannot be locked; make sure no "
@@ -94,7 +96,18 @@ def hold(workdir: str, *, shared: bool = True):
 def _lock(path: str) -> int | None:
   """The open, locked lock file (its descriptor), its content this process's
   PID, host and time; None where the file system has no locks."""
-  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  # Never through a symbolic link, never into anything but a plain file: a
+  # workdir from elsewhere could hold a train.lock that points at a file of
+  # this user's, which the lock would then empty and write.
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise LockFileRefused(path, "is a symbolic link") from None
+    raise
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise LockFileRefused(path, "is not a plain file")
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError as e:
@@ -120,10 +133,41 @@ def _unlock(fd: int | None) -> None:
 
 
 def _lock_holder(path: str) -> dict:
-  """What the holder wrote in the lock file; {} if it has not yet (or cannot be read)."""
+  """What the holder wrote in the lock file; {} if it has not yet (or cannot be
+  read). At most MAX_HOLDER_BYTES are read, never through a symbolic link nor
+  from anything but a plain file."""
   try:
-    with open(path) as f:
-      holder = json.loads(f.read() or "{}")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+      if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return {}
+      holder = json.loads(f.read(MAX_HOLDER_BYTES).decode("utf-8") or "{}")
     return holder if isinstance(holder, dict) else {}
   except (OSError, ValueError):
     return {}
+
+
+MAX_HOLDER_BYTES = 4096  # {"pid", "host", "started"}: a line of JSON
+
+
+def _shown_holder(holder: dict) -> dict:
+  """The holder's fields as a message may show them: the PID an integer, the
+  host and start time short printable strings; anything else left out (the
+  lock file may have come with the workdir)."""
+  shown = {}
+  if isinstance(holder.get("pid"), int) and not isinstance(holder.get("pid"), bool):
+    shown["pid"] = holder["pid"]
+  for name in ("host", "started"):
+    value = holder.get(name)
+    if isinstance(value, str) and value.isprintable() and 0 < len(value) <= 100:
+      shown[name] = value
+  return shown
+
+
+class LockFileRefused(ValueError):
+  """<workdir>/train.lock is a symbolic link or not a plain file: not locked,
+  not written (one sentence naming it and what to do)."""
+
+  def __init__(self, path: str, problem: str):
+    super().__init__(f"{path} {problem}; a workdir's lock file is a plain file train.py "
+                     "creates. Remove it (it holds no data) and train again.")

@@ -47,8 +47,32 @@ def vocabulary_file(config) -> str:
   if config.get("vocab_path"):
     return config.vocab_path
   if config.get("init_from"):
-    return workdir_lib.vocab_path(config.init_from)
+    return init_from_vocabulary(config.init_from)
   return ""
+
+
+def init_from_vocabulary(source: str) -> str:
+  """The vocabulary of the workdir `source` (config.init_from) by the workdir's
+  rule, refused (ValueError, one sentence) when that rule leads out of it: a
+  workdir from elsewhere whose vocab.model is missing and whose config.json
+  names a vocab_path outside it is data that points at this machine's files."""
+  path = workdir_lib.vocab_path(source)
+  if not _within(source, path):
+    raise ValueError(
+        f"config.init_from={source}: it has no {workdir_lib.VOCAB_FILE}, and its "
+        f"{workdir_lib.CONFIG_FILE} names the vocabulary {path}, outside it; a workdir is "
+        f"read only within itself: copy that file to {source}/{workdir_lib.VOCAB_FILE} if "
+        "you trust it, or set --config.vocab_path.")
+  return path
+
+
+def _within(directory: str, path: str) -> bool:
+  """Whether `path` names a file inside `directory` (local paths resolved,
+  symbolic links followed; addresses such as gs://... compared as text)."""
+  if multihost.is_local(directory) and multihost.is_local(path):
+    directory, path = os.path.realpath(directory), os.path.realpath(path)
+    return os.path.commonpath([directory, path]) == directory
+  return os.path.normpath(path).startswith(os.path.normpath(directory).rstrip("/") + "/")
 
 
 def train_vocabulary(config, train_pairs, path: str) -> tokenizer_lib.Tokenizer:
