@@ -126,6 +126,12 @@ _WEIGHTS_DTYPE = flags.DEFINE_enum(
     "LayerNorm, softmax and the search as the model says): 1.2-1.4x faster on a CPU with "
     "AVX512-BF16 or AMX, the same BLEU, translations that may differ in a word here and "
     "there. Default: the model's own dtype.")
+_TRUST_COMPILED = flags.DEFINE_bool(
+    "trust_compiled", False, "The workdir is a copy of your own, from a machine of yours: "
+    "seal the compiled decoders it carries (<workdir>/compiled/) with this machine's key and "
+    "load them, so that it starts warm. Without it, only decoders this machine compiled "
+    "are loaded and the others are compiled afresh. Never for a workdir you received from "
+    "someone else: loading a compiled decoder can run code (docs/security.md).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (or "
     "$JAX_COORDINATOR_ADDRESS). Slurm, Open MPI and Cloud TPU jobs of several processes "
@@ -174,7 +180,7 @@ def request() -> command.Request:
       options=translate_options(), checkpoint=_CHECKPOINT.value,
       output_format=_OUTPUT_FORMAT.value, window_lines=_WINDOW_LINES.value,
       param_sharding=_PARAM_SHARDING.value, weights_dtype=_WEIGHTS_DTYPE.value,
-      plot_dir=_PLOT_ATTENTION.value, quiet=_QUIET.value)
+      trust_compiled=_TRUST_COMPILED.value, plot_dir=_PLOT_ATTENTION.value, quiet=_QUIET.value)
 
 
 # Objects `main_then_exit` lets the process end with instead of freeing them:

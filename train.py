@@ -94,8 +94,9 @@ def _user_error_message(error: Exception, workdir: str) -> str | None:
 def _report_bug(error: Exception, workdir: str) -> str:
   """The console's message for a bug: where its traceback is, or, when the
   run failed before writing its log, the traceback itself (printed here)."""
-  from transformer.runtime import multihost, run_log
-  log = run_log.log_path(str(multihost.resolve(workdir)))
+  from transformer.runtime import run_log
+  from transformer.runtime import workdir as workdir_lib
+  log = run_log.log_path(str(workdir_lib.resolve(workdir)))
   if os.path.exists(log):
     where = f"; the full traceback is in {log}"
   else:

@@ -17,7 +17,12 @@ shell's side (process start to exit):
            fresh machine and a workdir that carries no decoders;
   copied   a copy of the workdir `cold` left (its `compiled/` filled), with
            another empty cache: a workdir copied to another machine of the
-           same kind.
+           same kind that holds the same signing key (a copy of the key);
+  received the same copy on a machine with another key (a workdir received
+           from someone else): its compiled decoders are not loaded but
+           compiled afresh (issue 59; docs/security.md);
+  trusted  the same with `--trust_compiled`: a copy of one's own workdir on
+           another machine of one's own, adopted explicitly.
 Then the ratios to `warm` (the issue's goals: cold <= 3x, first <= 1.5x) and
 whether every run wrote the same lines as `warm`. Flags after `--` go to every
 `decode.py` (e.g. `--batch_size=128`). The first method's `first` run is the
@@ -43,13 +48,15 @@ from benchmarks.bench_vs_ctranslate2 import read_input  # noqa: E402
 
 
 def decode(workdir: Path, source: Path, output: Path, method: str, cache: str | None,
-           flags: list[str]) -> float:
-  """Seconds of one `decode.py` command (start to exit)."""
+           flags: list[str], key: Path | None = None) -> float:
+  """Seconds of one `decode.py` command (start to exit); `key`: the signing
+  key file of the machine it stands for (default: this user's)."""
   command = [sys.executable, str(REPO / "decode.py"), f"--workdir={workdir}",
              f"--input={source}", f"--output={output}", f"--method={method}", "--quiet",
              *([f"--compilation_cache={cache}"] if cache else []), *flags]
+  env = dict(os.environ, **({"TRANSFORMER_SIGNING_KEY": str(key)} if key else {}))
   start = time.perf_counter()
-  subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+  subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
   return time.perf_counter() - start
 
 
@@ -71,11 +78,13 @@ def main() -> None:
     sources, _ = read_input(Path(args.input), args.lines)
     source.write_text("".join(line + "\n" for line in sources))
     print(f"{args.lines} lines of {args.input}; decode.py {' '.join(args.flags)}")
-    print("| method | first (after training) | warm | cold | copied | first / warm "
+    print("| method | first (after training) | warm | cold | copied (same key) "
+          "| received (another key) | trusted (--trust_compiled) | first / warm "
           "| cold / warm | same lines as warm |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for method in args.methods.split(","):
-      out = {name: tmp / f"{method}.{name}.txt" for name in ("first", "warm", "cold", "copied")}
+      out = {name: tmp / f"{method}.{name}.txt"
+             for name in ("first", "warm", "cold", "copied", "received", "trusted")}
       seconds = {}
       workdir = Path(args.workdir)
       seconds["first"] = decode(workdir, source, out["first"], method, args.cache, args.flags)
@@ -86,12 +95,21 @@ def main() -> None:
                                args.flags)
       copied = tmp / f"{method}_copied"
       shutil.copytree(bare, copied)
+      shutil.copytree(copied, tmp / f"{method}_received")
+      shutil.copytree(copied, tmp / f"{method}_trusted")
       seconds["copied"] = decode(copied, source, out["copied"], method,
                                  str(tmp / f"{method}_cache2"), args.flags)
+      other_key = tmp / f"{method}_other_machine" / "signing.key"  # (made by decode.py)
+      seconds["received"] = decode(tmp / f"{method}_received", source, out["received"], method,
+                                   str(tmp / f"{method}_cache3"), args.flags, key=other_key)
+      seconds["trusted"] = decode(tmp / f"{method}_trusted", source, out["trusted"], method,
+                                  str(tmp / f"{method}_cache4"),
+                                  [*args.flags, "--trust_compiled"], key=other_key)
       warm_text = out["warm"].read_text()
       same = all(path.read_text() == warm_text for path in out.values())
       print(f"| {method} | {seconds['first']:.1f} s | {seconds['warm']:.1f} s "
             f"| {seconds['cold']:.1f} s | {seconds['copied']:.1f} s "
+            f"| {seconds['received']:.1f} s | {seconds['trusted']:.1f} s "
             f"| {seconds['first'] / seconds['warm']:.2f}x | {seconds['cold'] / seconds['warm']:.2f}x "
             f"| {'yes' if same else 'NO'} |", flush=True)
 

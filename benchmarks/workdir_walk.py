@@ -1,8 +1,9 @@
 """How one `load_translator` call walks a workdir (issue 52's measure): the
 project's modules whose functions receive the workdir (its path, or the
-`workdir.Workdir` value made of it), the calls to `multihost.resolve` with it,
+`workdir.Workdir` value made of it), the calls to `workdir.resolve` with it,
 the separate entries into runtime/workdir.py, and the climbs back up the
-layers (a call into a higher layer than the one the path was in last).
+layers (a call into a higher layer than the one the path was in last), and
+the stays (runs of calls in one module, in the order they happen).
 
     python benchmarks/workdir_walk.py --workdir=tests/fixtures/workdir_d26a6fb
 
@@ -49,8 +50,9 @@ def walk(workdir: str) -> dict:
         return True
     return False
 
-  seen = {"modules": set(), "resolves": 0, "workdir_entries": 0, "climbs": 0}
+  seen = {"modules": set(), "resolves": 0, "workdir_entries": 0, "climbs": 0, "stays": 0}
   layers: list[int] = []
+  route: list[str] = []  # the modules in the order the workdir stayed in them
 
   def profile(frame, event, arg):
     if event != "call" or (module := module_of(frame.f_code)) is None:
@@ -59,20 +61,22 @@ def walk(workdir: str) -> dict:
       return
     caller = module_of(frame.f_back.f_code) if frame.f_back else None
     seen["modules"].add(module)
-    seen["resolves"] += module == "runtime.multihost" and frame.f_code.co_name == "resolve"
+    seen["resolves"] += module == "runtime.workdir" and frame.f_code.co_name == "resolve"
     seen["workdir_entries"] += module == "runtime.workdir" and caller != "runtime.workdir"
     layer = LAYERS[module.split(".")[0]]
     if layers and layer > layers[-1]:
       seen["climbs"] += 1
     if not layers or layers[-1] != layer:
       layers.append(layer)
+    if not route or route[-1] != module:
+      route.append(module)
 
   sys.setprofile(profile)
   try:
     loader.load_translator(workdir)
   finally:
     sys.setprofile(None)
-  return dict(seen, modules=sorted(seen["modules"]))
+  return dict(seen, modules=sorted(seen["modules"]), stays=len(route), route=route)
 
 
 def main(argv=None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 import pytest
@@ -14,6 +15,11 @@ os.environ["TRANSFORMER_COMPILATION_CACHE"] = "off"
 # Nor compiled decoders kept in workdirs (the repository's fixtures among them);
 # tests/test_executable_cache.py turns it on for a copy of one.
 os.environ["TRANSFORMER_WORKDIR_DECODERS"] = "off"
+# Nor a signing key in ~/.cache (runtime/signing.py): each worker process makes
+# one of its own on first use, in a directory of its own, removed at exit;
+# subprocesses inherit it (the same machine's key).
+_KEY_DIR = tempfile.TemporaryDirectory(prefix="transformer-test-key-")
+os.environ["TRANSFORMER_SIGNING_KEY"] = os.path.join(_KEY_DIR.name, "signing.key")
 
 # Comparisons against float64 numpy hold to ~1e-5 only if a float32 matmul is
 # a float32 matmul: TPUs default to bfloat16 passes and GPUs to TF32. Pinned

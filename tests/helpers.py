@@ -8,7 +8,11 @@ blocking CI.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
+import pickle
+import shlex
 import socket
 import subprocess
 from pathlib import Path
@@ -105,3 +109,51 @@ def small_disk(path: Path, size_kib: int):
     yield path
   finally:
     subprocess.run(["umount", "--lazy", str(path)], capture_output=True, timeout=30)
+
+
+class RunsWhenUnpickled:
+  """What a hostile workdir plants: a pickle whose loading runs a shell
+  command (here one that creates a marker file)."""
+
+  def __init__(self, marker: str):
+    self.marker = marker
+
+  def __reduce__(self):
+    return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+def hostile_pickle(marker: str | os.PathLike) -> bytes:
+  """Bytes that create `marker` when unpickled (`test_signing.py` shows they do)."""
+  return pickle.dumps(RunsWhenUnpickled(os.fspath(marker)))
+
+
+# The ways a received workdir's compiled/ may hold what this machine did not write.
+HOSTILE_KINDS = ("pickle", "another key", "truncated", "random bytes")
+
+
+def hostile_file(kind: str, name: str, stored: bytes, marker: str | os.PathLike) -> bytes:
+  """`stored` (the file `name` of a workdir's compiled/) replaced as `kind`
+  says: the hostile pickle; that pickle sealed as runtime/signing.py seals,
+  under another key; `stored` cut in half; random bytes of its size."""
+  from transformer.runtime import signing  # (no JAX)
+  payload = hostile_pickle(marker)
+  if kind == "pickle":
+    return payload
+  if kind == "another key":
+    tag = hmac.new(os.urandom(signing.KEY_BYTES), name.encode() + b"\0" + payload,
+                   hashlib.sha256).digest()
+    return signing.MAGIC + tag + payload
+  if kind == "truncated":
+    return stored[:len(stored) // 2]
+  assert kind == "random bytes", kind
+  return os.urandom(len(stored))
+
+
+def plant_hostile_files(compiled: Path, kind: str, marker: str | os.PathLike) -> list[str]:
+  """Replaces every file in `compiled` (a workdir's compiled/) as
+  `hostile_file` says; returns their names."""
+  names = sorted(p.name for p in compiled.iterdir())
+  for name in names:
+    path = compiled / name
+    path.write_bytes(hostile_file(kind, name, path.read_bytes(), marker))
+  return names

@@ -20,6 +20,7 @@ import pytest
 
 from transformer.runtime import averaging
 from transformer.runtime import checkpoints, orbax_items
+from transformer.runtime import checkpoint_names
 from transformer.runtime import checkpoint_space, disk_space
 
 REPO = Path(__file__).resolve().parents[1]
@@ -180,7 +181,7 @@ def test_average_of_three_checkpoints(tmp_path):
   params, steps = averaging.average_and_save(tmp_path, target, num=3)
   assert steps == [20, 30, 40]
   assert averaging.averaged_info(tmp_path)["averaged_steps"] == [20, 30, 40]
-  assert checkpoints.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == [40]
+  assert checkpoint_names.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == [40]
   loaded, info = averaging.load_params(tmp_path, target, "averaged", with_info=True)
   assert info["kind"] == "averaged" and info["averaged_steps"] == [20, 30, 40]
   _assert_trees_equal(loaded, params)
@@ -193,6 +194,26 @@ def test_average_of_three_checkpoints(tmp_path):
   _assert_trees_equal(averaging.load_params(tmp_path, target, "averaged"), explicit)
   with pytest.raises(FileNotFoundError):
     averaging.load_params(tmp_path / "nowhere", target)
+
+
+@pytest.mark.parametrize("record", ['[1, 2]', '{"averaged_steps": "20"}', '{"averaged_steps": []}',
+                                    '{"averaged_steps": [20, -1]}', '{"averaged_steps": [true]}',
+                                    '{"averaged_steps": [99999]}', '{"averaged_steps": '])
+def test_an_absurd_averaged_record_is_one_sentence(tmp_path, record):
+  """The averaged checkpoint's record (meta/metadata) is data: a wrong type, an
+  empty or negative list, a step past the checkpoint's own, or a truncated
+  file is one ValueError naming the file, as is what `workdir.read` chooses
+  from it (never a TypeError or a KeyError from deeper down)."""
+  from transformer.runtime import workdir as workdir_lib
+  meta = tmp_path / checkpoints.AVERAGED_DIR / "40" / checkpoints.META_ITEM / "metadata"
+  meta.parent.mkdir(parents=True)
+  (tmp_path / checkpoints.CHECKPOINT_DIR / "40").mkdir(parents=True)
+  meta.write_text(record)
+  with pytest.raises(ValueError, match="metadata") as error:
+    averaging.averaged_info(tmp_path)
+  assert str(meta) in str(error.value) and "\n" not in str(error.value)
+  # Choosing "auto" still works: the average counts as filed under its step.
+  assert workdir_lib.resolve_checkpoint(tmp_path, "auto") == "averaged"
 
 
 KILL_WRITER = textwrap.dedent("""
@@ -228,7 +249,7 @@ def _run_writer_and_kill_mid_save(workdir: Path) -> str:
   env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
   env["JAX_PLATFORMS"] = "cpu"
   directory = workdir / "checkpoints"
-  first = max(checkpoints.checkpoint_steps(workdir), default=0)
+  first = max(checkpoint_names.checkpoint_steps(workdir), default=0)
   with open(workdir / "writer.log", "w+") as log:
     proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, str(workdir)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -236,7 +257,7 @@ def _run_writer_and_kill_mid_save(workdir: Path) -> str:
     try:
       deadline = time.time() + 60
       while time.time() < deadline and proc.poll() is None:
-        if (max(checkpoints.checkpoint_steps(workdir), default=0) >= first + 2
+        if (max(checkpoint_names.checkpoint_steps(workdir), default=0) >= first + 2
             and _tmp_dirs(directory)):
           os.kill(proc.pid, signal.SIGKILL)
           killed = True
@@ -374,7 +395,7 @@ def test_free_space_is_checked_before_each_save(tmp_path, monkeypatch):
     assert not _tmp_dirs(tmp_path / "checkpoints") and ckpt.all_steps() == [1]
     free["bytes"] = int(size * 1.06)                   # room again: saving goes on
     assert ckpt.save(2, _random_state(2))
-  assert checkpoints.checkpoint_steps(tmp_path) == [1, 2]
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [1, 2]
 
 
 @late_tensorstore_callbacks
@@ -391,8 +412,8 @@ def test_a_full_disk_while_averaging_keeps_the_checkpoints(tmp_path, monkeypatch
   assert "The last complete checkpoint is step 2." in message
   assert "config.average_last=1" in message
   assert not _tmp_dirs(tmp_path / checkpoints.AVERAGED_DIR)
-  assert checkpoints.checkpoint_steps(tmp_path) == [1, 2]
-  assert checkpoints.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == []
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [1, 2]
+  assert checkpoint_names.checkpoint_steps(tmp_path, checkpoints.AVERAGED_DIR) == []
 
 
 @late_tensorstore_callbacks

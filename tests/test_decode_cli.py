@@ -330,17 +330,48 @@ def test_output_in_missing_directory(workdir, env, tmp_path):
 
 def test_vocab_path_from_config(workdir, env, tmp_path):
   # A run trained with config.vocab_path has no vocab.model of its own: decode.py
-  # reads the path from config.json (this error proves it got past the vocabulary).
-  other = tmp_path / "shared_vocab"
-  other.mkdir()
-  shutil.copy(os.path.join(workdir, "vocab.model"), other / "spm.model")
+  # reads the path from config.json where it lies inside the workdir (this error
+  # proves it got past the vocabulary), and refuses one outside it: a workdir is
+  # data, and does not choose which of this machine's files are read.
   run = tmp_path / "run"
-  run.mkdir()
+  (run / "spm").mkdir(parents=True)
+  shutil.copy(os.path.join(workdir, "vocab.model"), run / "spm" / "spm.model")
   shutil.copy(os.path.join(workdir, "model_config.json"), run)
   config = json.load(open(os.path.join(workdir, "config.json")))
-  config["vocab_path"] = str(other / "spm.model")
+  config["vocab_path"] = str(run / "spm" / "spm.model")
   (run / "config.json").write_text(json.dumps(config))
   _error(run_decode(env, f"--workdir={run}", stdin="a\n"), "no checkpoint", code=1)
+  config["vocab_path"] = os.path.join(workdir, "vocab.model")
+  (run / "config.json").write_text(json.dumps(config))
+  _error(run_decode(env, f"--workdir={run}", stdin="a\n"), "outside the workdir", code=1)
+
+
+def test_decode_py_runs_nothing_a_received_workdir_carries(workdir, env, tmp_path):
+  """Issue 59 as a user met it: a workdir whose compiled/ files were each
+  replaced by a pickle that runs a shell command, decoded on a machine whose
+  cache is empty: the command never runs, one line on stderr names the
+  workdir, and the output is byte-identical to the clean workdir's.
+  (test_executable_cache.py: the other kinds of file, and --trust_compiled.)"""
+  import helpers
+  env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+  env.update(TRANSFORMER_COMPILATION_CACHE=str(tmp_path / "cache"),
+             TRANSFORMER_WORKDIR_DECODERS="on")
+  received = tmp_path / "received"
+  shutil.copytree(workdir, received)
+  flags = (f"--workdir={received}", "--method=greedy", "--max_len=24", "--quiet")
+  clean = run_decode(env, *flags, stdin=_text(LINES))
+  _ok(clean)
+  compiled = received / "compiled"
+  assert {p.suffix for p in compiled.iterdir()} == {".bin", ".shapes", ".logits_kernel"}
+  marker = tmp_path / "the planted command ran"
+  helpers.plant_hostile_files(compiled, "pickle", marker)
+  env["TRANSFORMER_COMPILATION_CACHE"] = str(tmp_path / "empty_cache")
+  hostile = run_decode(env, *flags, stdin=_text(LINES))
+  _ok(hostile)
+  assert not marker.exists()
+  assert hostile.stdout == clean.stdout
+  said = [line for line in hostile.stderr_text.splitlines() if "cannot prove" in line]
+  assert len(said) == 1 and str(received) in said[0], hostile.stderr_text
 
 
 def test_second_decode_compiles_nothing(workdir, env, tmp_path):

@@ -16,6 +16,7 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as cc
 
+import helpers
 from helpers import CACHE_SETTINGS
 from transformer.decoding import executable_cache, loader
 from transformer.decoding import decoders as decoders_lib
@@ -120,6 +121,112 @@ def test_the_decoders_travel_with_the_workdir(cache_dir, tmp_path, monkeypatch):
   assert not (copy / executable_cache.MODEL_SUBDIRECTORY).exists()
 
 
+def _translate_workdir(workdir, **load_options):
+  translator = loader.load_translator(str(workdir), **load_options)
+  translator.policy.share_buckets = False
+  out = translator.translate(SENTENCES, batch_size=2, method="greedy")
+  return out, translator.last_stats
+
+
+@pytest.fixture
+def received_workdir(cache_dir, tmp_path, monkeypatch):
+  """A copy of the fixture workdir whose compiled/ holds this machine's
+  decoders, the parameters' shapes and the logits kernel (every suffix the
+  cache writes), its clean translations, and a machine with an empty cache
+  (another cache directory) where nothing has been refused yet."""
+  import shutil
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
+  workdir = tmp_path / "received"
+  shutil.copytree(FIXTURE_WORKDIR, workdir)
+  clean, _ = _translate_workdir(workdir)
+  compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
+  assert {p.suffix for p in compiled.iterdir()} == {".bin", ".shapes", ".logits_kernel"}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "empty_cache"))
+  monkeypatch.setattr(executable_cache, "_refused_in", set())
+  return workdir, clean
+
+
+@pytest.mark.parametrize("kind", helpers.HOSTILE_KINDS)
+def test_a_received_workdir_runs_nothing_it_carries(received_workdir, tmp_path, caplog, kind):
+  """Issue 59: every file of compiled/ replaced by a pickle that runs a shell
+  command, by that pickle sealed under another key, by half of itself or by
+  random bytes: nothing is unpickled (the command never ran), one line names
+  the workdir, the translations are the clean workdir's, and what was
+  compiled afresh is stored sealed with this machine's key (the next load
+  loads it all)."""
+  from transformer.runtime import signing
+  workdir, clean = received_workdir
+  compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
+  marker = tmp_path / "the planted command ran"
+  names = helpers.plant_hostile_files(compiled, kind, marker)
+  with caplog.at_level(logging.WARNING):
+    got, stats = _translate_workdir(workdir)
+  assert not marker.exists()
+  assert got == clean and stats["decoders_loaded"] == 0
+  said = [r.getMessage() for r in caplog.records if "cannot prove" in r.getMessage()]
+  assert len(said) == 1 and str(workdir) in said[0] and "\n" not in said[0], caplog.text
+  assert sorted(p.name for p in compiled.iterdir()) == names
+  for name in names:
+    signing.unseal(name, (compiled / name).read_bytes())  # (raises if not sealed here)
+  again, stats = _translate_workdir(workdir)
+  assert again == clean and stats["decoders_loaded"] == 2
+
+
+def test_trust_compiled_adopts_a_copy_of_ones_own_workdir(received_workdir, tmp_path,
+                                                          monkeypatch, caplog):
+  """A copy from another machine of one's own (its files sealed under that
+  machine's key): compiled afresh by default, loaded with trust_compiled
+  (sealed anew here: later loads need no flag), tracing nothing. Files that
+  are not sealed files (a planted pickle) are not loaded even then."""
+  import hashlib
+  import hmac
+  import shutil
+  from transformer.runtime import signing
+  workdir, clean = received_workdir
+  compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
+  other_key = b"k" * signing.KEY_BYTES  # (the other machine's)
+  for path in compiled.iterdir():
+    payload = signing.unseal(path.name, path.read_bytes())
+    path.write_bytes(signing.MAGIC + hmac.new(other_key, path.name.encode() + b"\0" + payload,
+                                              hashlib.sha256).digest() + payload)
+  untrusted = tmp_path / "untrusted"
+  shutil.copytree(workdir, untrusted)
+  _, stats = _translate_workdir(untrusted)
+  assert stats["decoders_loaded"] == 0
+
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "another_empty_cache"))
+  _never_trace(monkeypatch)
+  monkeypatch.setattr(model_lib, "init_params", lambda *a: pytest.fail("the model was traced"))
+  got, stats = _translate_workdir(workdir, trust_compiled=True)
+  assert got == clean and stats["decoders_loaded"] == 2
+  got, stats = _translate_workdir(workdir)  # (sealed here now)
+  assert got == clean and stats["decoders_loaded"] == 2
+
+  monkeypatch.undo()
+  marker = tmp_path / "the planted command ran"
+  helpers.plant_hostile_files(compiled, "pickle", marker)
+  got, stats = _translate_workdir(workdir, trust_compiled=True)
+  assert got == clean and stats["decoders_loaded"] == 0 and not marker.exists()
+
+
+def test_a_planted_link_or_fifo_is_not_followed(received_workdir, tmp_path):
+  """compiled/ entries that are not regular files (a link to a file of this
+  machine, a FIFO that would block a read) are neither read nor loaded."""
+  workdir, clean = received_workdir
+  compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
+  outside = tmp_path / "outside"
+  outside.write_bytes(b"a file elsewhere")
+  for i, path in enumerate(sorted(compiled.iterdir())):
+    path.unlink()
+    if i % 2:
+      path.symlink_to(outside)
+    else:
+      os.mkfifo(path)
+  got, stats = _translate_workdir(workdir)
+  assert got == clean and stats["decoders_loaded"] == 0
+  assert outside.read_bytes() == b"a file elsewhere"
+
+
 def test_training_leaves_the_first_decode_warm(cache_dir, tmp_path, monkeypatch):
   """Training's test translation plans as decode.py does and keeps its
   decoders, the parameters' shapes and the logits kernel in
@@ -201,7 +308,7 @@ def test_a_file_that_does_not_load_is_compiled_again(cache_dir, caplog):
   with caplog.at_level(logging.WARNING):
     second, stats = _translate(method="greedy")
   assert second == first and stats["decoders_loaded"] == 0
-  assert "did not load" in caplog.text
+  assert "cannot prove it wrote" in caplog.text  # (a truncated file is not sealed whole)
   assert executable_cache._persistent_cache_hits > hits  # (the premise)
   third, stats = _translate(method="greedy")  # written again, whole: it runs
   assert third == first and stats["decoders_loaded"] == 2
@@ -243,7 +350,7 @@ def test_shapes_are_traced_once_and_equal_eval_shape(cache_dir, caplog):
     path.write_bytes(path.read_bytes()[:10])
   with caplog.at_level(logging.WARNING):
     got = executable_cache.load_or_eval_shape({"model": "a"}, fresh(), x)
-  assert "did not load" in caplog.text and len(calls) == 3
+  assert "cannot prove it wrote" in caplog.text and len(calls) == 3
   assert jax.tree.structure(got) == jax.tree.structure(want)
 
 

@@ -57,14 +57,14 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 def test_resolve_makes_local_paths_absolute_and_leaves_addresses_alone(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert str(multihost.resolve("runs/a")) == str(tmp_path / "runs" / "a")
-  assert str(multihost.resolve(tmp_path / "b")) == str(tmp_path / "b")
+  assert str(workdir_lib.resolve("runs/a")) == str(tmp_path / "runs" / "a")
+  assert str(workdir_lib.resolve(tmp_path / "b")) == str(tmp_path / "b")
   for address in ("gs://bucket/run", "s3://bucket/a/b", "gs://bucket"):
-    assert str(multihost.resolve(address)) == address   # not /cwd/gs:/bucket/run
-    assert not multihost.is_local(address)
-  assert str(multihost.resolve("gs://bucket/run") / "vocab.model") == "gs://bucket/run/vocab.model"
-  assert multihost.is_local("runs/a") and multihost.is_local(tmp_path)
-  assert multihost.is_local("weird:name/x")  # a colon alone is a local name
+    assert str(workdir_lib.resolve(address)) == address   # not /cwd/gs:/bucket/run
+    assert not workdir_lib.is_local(address)
+  assert str(workdir_lib.resolve("gs://bucket/run") / "vocab.model") == "gs://bucket/run/vocab.model"
+  assert workdir_lib.is_local("runs/a") and workdir_lib.is_local(tmp_path)
+  assert workdir_lib.is_local("weird:name/x")  # a colon alone is a local name
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
   written to and read from the bucket, nothing under the current directory."""
   config = train_worker.tiny_config()
   train_pairs = data_sources.load_split(config.data, "train")
-  workdir = str(multihost.resolve("gs://bucket/run"))
+  workdir = str(workdir_lib.resolve("gs://bucket/run"))
   with caplog.at_level(logging.INFO, logger="transformer"):
     with run_lock.hold(workdir), run_log.run_log(workdir) as log:
       tokenizer = run_setup.get_tokenizer(config, workdir, train_pairs)
@@ -147,8 +147,8 @@ def test_a_gs_workdir_goes_through_epath(fake_bucket, tmp_path, caplog, monkeypa
 
 def test_write_file_is_atomic_locally(tmp_path):
   path = tmp_path / "sub" / "f.txt"
-  multihost.write_file(path, "one\n")
-  multihost.write_file(path, b"two\n")
+  workdir_lib.write_file(path, "one\n")
+  workdir_lib.write_file(path, b"two\n")
   assert path.read_text() == "two\n"
   assert sorted(p.name for p in path.parent.iterdir()) == ["f.txt"]
 

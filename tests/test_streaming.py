@@ -222,15 +222,15 @@ def test_temperature_and_top_p_cost_nothing_when_off(translator):
 
 
 def test_auto_takes_the_latest_step_over_an_older_average(monkeypatch, tmp_path):
-  from transformer.runtime import averaging, checkpoints
-  steps = {checkpoints.CHECKPOINT_DIR: [100, 200], checkpoints.AVERAGED_DIR: [200]}
-  monkeypatch.setattr(checkpoints, "checkpoint_steps",
-                      lambda workdir, subdir=checkpoints.CHECKPOINT_DIR: steps[subdir])
-  monkeypatch.setattr(averaging, "averaged_info",
+  from transformer.runtime import checkpoint_names
+  steps = {checkpoint_names.CHECKPOINT_DIR: [100, 200], checkpoint_names.AVERAGED_DIR: [200]}
+  monkeypatch.setattr(checkpoint_names, "checkpoint_steps",
+                      lambda workdir, subdir=checkpoint_names.CHECKPOINT_DIR: steps[subdir])
+  monkeypatch.setattr(checkpoint_names, "averaged_info",
                       lambda workdir: {"averaged_steps": [100, 200], "step": 200})
   assert workdir_lib.resolve_checkpoint(str(tmp_path)) == "averaged"
   assert workdir_lib.stale_average_note(str(tmp_path)) is None
-  steps[checkpoints.CHECKPOINT_DIR] = [100, 200, 300]  # resumed, trained on, killed
+  steps[checkpoint_names.CHECKPOINT_DIR] = [100, 200, 300]  # resumed, trained on, killed
   assert workdir_lib.resolve_checkpoint(str(tmp_path)) == 300
   note = workdir_lib.stale_average_note(str(tmp_path))
   assert "steps up to 200" in note and "latest step 300" in note

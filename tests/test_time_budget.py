@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import train_worker  # noqa: E402  (no JAX import)
 
 from transformer.runtime import checkpoints, workdir as workdir_lib  # noqa: E402
+from transformer.runtime import checkpoint_names
 from transformer.training import loop as training  # noqa: E402
 from transformer.training import final_model, run_setup, steps as steps_lib  # noqa: E402
 from transformer.training import time_budget  # noqa: E402
@@ -249,7 +250,7 @@ def test_a_budget_run_records_its_plan_and_follows_it(tmp_path, compilation_cach
     assert rate == pytest.approx(reference_rate(step - 1, *result.schedule, 3e-3), abs=1e-9)
   # Checkpoints at the decay's half and end (average_last=2), averaged and
   # compared with the last step: one of them is the final model.
-  in_decay = [s for s in checkpoints.checkpoint_steps(tmp_path) if s > decay_start]
+  in_decay = [s for s in checkpoint_names.checkpoint_steps(tmp_path) if s > decay_start]
   assert in_decay[0] == decay_start + math.ceil(decay_steps / 2)
   assert in_decay[-1] == result.step
   assert any(r["split"] == "eval_averaged" for r in records)

@@ -42,6 +42,7 @@ from helpers import free_port, run_checked, run_together, subprocess_env  # noqa
 
 from transformer.runtime import averaging
 from transformer.runtime import checkpoints
+from transformer.runtime import checkpoint_names
 from transformer.data import pipeline as data
 from transformer.data import sources as data_sources
 from transformer.training import stall
@@ -339,7 +340,7 @@ def test_demo_run_learns_and_fills_the_workdir(tmp_path, compilation_cache):
   vocab = tokenizer_lib.load_tokenizer(str(tmp_path / "vocab.model"))
   assert model_config["vocab_size"] == vocab.vocab_size <= 128
   assert model_config["d_model"] == 32 and model_config["num_heads"] == 2
-  assert checkpoints.checkpoint_steps(tmp_path) == [50, 100]
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [50, 100]
   assert not list((tmp_path / "checkpoints").glob("*tmp*"))
   assert (tmp_path / workdir_lib.LOCK_FILE).read_text() == ""     # released
   log = (tmp_path / workdir_lib.LOG_FILE).read_text()
@@ -496,7 +497,7 @@ def test_init_from_starts_from_another_workdirs_parameters_and_vocabulary(tmp_pa
                     average_last=1, learning_rate_scale=0.0, test_report=False))
   started = load_params(tuned, "latest")
   source = load_params(ref_dir, workdir_lib.resolve_checkpoint(str(ref_dir), "auto"))
-  assert checkpoints.checkpoint_steps(str(tuned)) == [2]
+  assert checkpoint_names.checkpoint_steps(str(tuned)) == [2]
   for a, b in zip(jax.tree.leaves(started), jax.tree.leaves(source)):
     np.testing.assert_array_equal(a, b)
   assert (tuned / workdir_lib.VOCAB_FILE).read_bytes() == (
@@ -636,7 +637,7 @@ def test_two_processes_match_a_single_process_replay(tmp_path):
     assert (r["process_index"], r["process_count"], r["device_count"]) == (pid, 2, 2)
     assert r["step"] == 4
   assert results[0]["eval"] == results[1]["eval"]
-  assert checkpoints.checkpoint_steps(workdir) == [4]
+  assert checkpoint_names.checkpoint_steps(workdir) == [4]
   data_dir = workdir / "checkpoints" / "4" / "data_state"
   assert sorted(p.name for p in data_dir.glob("*.json")) == [
       "process_0-of-2.json", "process_1-of-2.json"]
@@ -700,13 +701,13 @@ def test_resume_is_exact(tmp_path, reference_run, compilation_cache, caplog):
   ref_dir, ref_result = reference_run
   first = train(tmp_path, dict(REF, num_train_steps=10))
   assert first.step == 10
-  assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [8, 10]
   with caplog.at_level(logging.INFO, logger="transformer"):
     resumed = train(tmp_path, REF)
   assert "config.num_train_steps: 10 -> 24 (allowed on resume)" in caplog.text
   assert resumed.step == REF_STEPS
-  assert checkpoints.checkpoint_steps(ref_dir) == [8, 16, 24]
-  assert checkpoints.checkpoint_steps(tmp_path) == [10, 16, 24]   # (keep_checkpoints=3)
+  assert checkpoint_names.checkpoint_steps(ref_dir) == [8, 16, 24]
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [10, 16, 24]   # (keep_checkpoints=3)
 
   state, data_state = load_state(tmp_path, REF)
   ref_state, ref_data_state = load_state(ref_dir, REF)
@@ -799,7 +800,7 @@ def soak(workdir, phases, seed, cache) -> list[str]:
   cmd = [sys.executable, str(WORKER), f"--workdir={workdir}", f"--overrides={json.dumps(SOAK)}"]
   report = []
   for phase in phases:
-    resume = max(checkpoints.checkpoint_steps(workdir), default=0)
+    resume = max(checkpoint_names.checkpoint_steps(workdir), default=0)
     nth = rng.randint(1, phase_counts(resume)[phase])
     delay = rng.uniform(0, {"step": 0.03, "save": 0.02}.get(phase, 0.1))
     kill = {"phase": phase, "nth": nth, "delay": delay}
@@ -813,14 +814,14 @@ def soak(workdir, phases, seed, cache) -> list[str]:
     unfinished = [p.name for d in ("checkpoints", "checkpoints_averaged") if (workdir / d).exists()
                   for p in (workdir / d).iterdir() if "tmp" in p.name]
     report.append(f"{phase} #{nth} (+{delay * 1000:.0f} ms) of a run from step {resume}: "
-                  f"left {checkpoints.checkpoint_steps(workdir)}"
+                  f"left {checkpoint_names.checkpoint_steps(workdir)}"
                   + (f" and unfinished {unfinished}" if unfinished else ""))
   run_checked(cmd, env, TIMEOUT_S)
   return report
 
 
 def assert_same_as_reference(workdir, ref_dir):
-  assert checkpoints.checkpoint_steps(workdir) == [8, 16, 24]
+  assert checkpoint_names.checkpoint_steps(workdir) == [8, 16, 24]
   for subdir in ("checkpoints", "checkpoints_averaged"):
     assert not [p for p in (workdir / subdir).iterdir() if "tmp" in p.name]
   state, data_state = load_state(workdir, SOAK)
@@ -893,7 +894,7 @@ def test_a_preemption_notice_saves_stops_and_resumes_exactly(tmp_path, reference
       f"preempted (a preemption notice) at step 10: saved checkpoint 10 in "
       f"{tmp_path}/checkpoints; run the same command again to resume from it")
   assert max(asked) == 10 and set(range(1, 11)) <= set(asked)   # asked every step, none after
-  assert checkpoints.checkpoint_steps(tmp_path) == [8, 10]
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [8, 10]
   assert not (tmp_path / "checkpoints_averaged").exists()        # stopped before the end
   monkeypatch.undo()
 
@@ -938,7 +939,7 @@ def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compi
       proc.kill()
       proc.wait()
   assert proc.returncode == 143, err[-3000:]
-  (saved,) = checkpoints.checkpoint_steps(workdir)
+  (saved,) = checkpoint_names.checkpoint_steps(workdir)
   assert f"preempted (SIGTERM) at step {saved}: saved checkpoint {saved} in " in err
   assert list(train_losses(workdir)) == list(range(1, saved + 1))  # logged up to the save
   assert "run stopped: preempted (SIGTERM)" in (workdir / "train.log").read_text()
@@ -985,7 +986,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
         p.wait()
   assert [p.returncode for p in procs] == [143, 143], [log[-3000:] for log in logs]
   results = [json.loads(o.read_text()) for o in outs]
-  (saved,) = checkpoints.checkpoint_steps(workdir)
+  (saved,) = checkpoint_names.checkpoint_steps(workdir)
   assert results == [{"preempted_at": saved, "reason": "a preemption notice"}] * 2
   data_dir = workdir / "checkpoints" / str(saved) / "data_state"
   assert sorted(p.name for p in data_dir.glob("*.json")) == [
@@ -1036,7 +1037,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(case, tmp_path, reference_
   assert "learning_rate_scale" in message  # says what to do
   monkeypatch.undo()
 
-  assert checkpoints.checkpoint_steps(workdir) == good_steps
+  assert checkpoint_names.checkpoint_steps(workdir) == good_steps
   assert not [p for p in (workdir / "checkpoints").iterdir() if "tmp" in p.name]
   state, _ = load_state(workdir, overrides)
   assert int(state["step"]) == good_steps[-1]
@@ -1129,7 +1130,7 @@ def test_train_minutes_stops_saves_and_resumes_with_the_time_spent(tmp_path, com
       checkpoint_every=10**5, num_bleu_examples=8, test_report=False))
   first = training.train_and_evaluate(config, str(tmp_path), quiet=True)
   assert first.stopped_by_time and 0 < first.step < 10**6
-  assert checkpoints.checkpoint_steps(tmp_path) == [first.step]  # saved where it stopped
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [first.step]  # saved where it stopped
   with checkpoints.Checkpointer(str(tmp_path)) as ckpt:
     spent = ckpt.restore_metadata()[time_budget.SPENT_KEY]
   assert spent == pytest.approx(0.3 * 60)  # stopped by the budget: all of it spent

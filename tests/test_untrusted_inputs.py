@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 from pathlib import Path
 
@@ -25,23 +24,10 @@ from transformer.decoding import streaming
 from transformer.model.config import MAX_SIZES, TransformerConfig
 from transformer.runtime import run_lock
 from transformer.runtime import workdir as workdir_lib
+from helpers import RunsWhenUnpickled, hostile_pickle
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"
-
-
-class _Marker:
-  """Unpickling it runs os.system: the file `path` would then exist."""
-
-  def __init__(self, path: Path):
-    self.path = path
-
-  def __reduce__(self):
-    return (os.system, (f"touch {self.path}",))
-
-
-def hostile_pickle(marker: Path) -> bytes:
-  return pickle.dumps({"weights": _Marker(marker)})
 
 
 def one_sentence(error: BaseException, names: str | Path) -> str:
@@ -65,6 +51,48 @@ def workdir(tmp_path):
   copy = tmp_path / "received_workdir"
   shutil.copytree(FIXTURE_WORKDIR, copy)
   return copy
+
+
+# ----------------------------------------------------------------------------
+# The workdir's own records (workdir.py), the vocabulary against the model, logs
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", ['["a", "list"]', '"text"', "3"])
+def test_a_config_json_that_is_no_object_is_one_sentence(workdir, content):
+  (workdir / workdir_lib.CONFIG_FILE).write_text(content)
+  with pytest.raises(ValueError) as error:
+    workdir_lib.check_config(str(workdir), {"seed": 0})
+  one_sentence(error.value, workdir / workdir_lib.CONFIG_FILE)
+
+
+def test_a_vocabulary_larger_than_the_model_is_named(workdir):
+  """A vocab.model with more pieces than the model's embedding has rows would
+  give ids past it (NaN or garbage): one sentence naming it instead."""
+  from transformer.decoding import loader
+  config = json.loads((workdir / workdir_lib.MODEL_CONFIG_FILE).read_text())
+  pieces = tokenizer_lib.load_tokenizer(str(workdir / "vocab.model")).vocab_size
+  config["vocab_size"] = pieces - 1
+  (workdir / workdir_lib.MODEL_CONFIG_FILE).write_text(json.dumps(config))
+  with pytest.raises(ValueError) as error:
+    loader.load_translator(str(workdir))
+  assert "more than the model's vocab_size" in one_sentence(error.value, workdir / "vocab.model")
+
+
+def test_logs_never_write_through_a_planted_link(workdir, tmp_path):
+  """train.log and metrics.jsonl in a received workdir, made links to a file
+  of this machine: neither is written through (the file is untouched)."""
+  from transformer.runtime import run_log
+  from transformer.training import metrics
+  victim = tmp_path / "victim"
+  victim.write_text("untouched\n")
+  for name in (workdir_lib.LOG_FILE, metrics.METRICS_FILE):
+    (workdir / name).symlink_to(victim)
+  with run_log.run_log(str(workdir)) as path:
+    assert path is None  # (the console only)
+  with pytest.raises(OSError):
+    metrics.MetricsWriter(str(workdir))
+  assert victim.read_text() == "untouched\n"
 
 
 # ----------------------------------------------------------------------------
@@ -375,7 +403,7 @@ def test_a_pickled_npz_or_a_python_yaml_tag_never_runs(marian_release, tmp_path,
   # An npz holding a pickled object array: not read either.
   weights = dict(np.load(marian_release[0] / "model.npz"))
   np.savez(release / "model.npz", **weights,
-           extra=np.array([_Marker(marker)], dtype=object))
+           extra=np.array([RunsWhenUnpickled(str(marker))], dtype=object))
   _refused(release, tmp_path, release / "model.npz")
   # YAML tags that would build Python objects (yaml.safe_load refuses them).
   tag = f'!!python/object/apply:os.system ["touch {marker}"]'

@@ -63,16 +63,32 @@ def test_missing_or_broken_files_say_what_to_do(tmp_path):
     workdir.load_model_config(run)
 
 
-def test_vocabulary_is_the_workdirs_else_the_configs(tmp_path):
-  shared = tmp_path / "shared.model"
-  run = make_workdir(tmp_path / "run", vocab=False, config={"vocab_path": str(shared)})
-  with pytest.raises(FileNotFoundError, match=f"nor the config's vocab_path {shared}"):
+def test_vocabulary_is_the_workdirs_else_the_configs_inside_it(tmp_path):
+  inside = tmp_path / "run" / "spm" / "shared.model"
+  run = make_workdir(tmp_path / "run", vocab=False, config={"vocab_path": str(inside)})
+  with pytest.raises(FileNotFoundError, match=f"nor the config's vocab_path {inside}"):
     workdir.vocab_path(run)
-  shared.write_bytes(b"a vocabulary")
-  assert workdir.vocab_path(run) == str(shared)
+  inside.parent.mkdir()
+  inside.write_bytes(b"a vocabulary")
+  assert workdir.vocab_path(run) == str(inside)
   own = tmp_path / "run" / workdir.VOCAB_FILE
   own.write_bytes(b"its own")
   assert workdir.vocab_path(run) == str(own)        # the workdir's own comes first
+
+
+@pytest.mark.parametrize("named", ["outside", "../outside.model", "link/x.model"])
+def test_a_config_never_points_the_vocabulary_outside_the_workdir(tmp_path, named):
+  """A workdir is data: its config.json does not choose which file of this
+  machine is read as a vocabulary (an absolute path, a ../, a link out)."""
+  outside = tmp_path / "outside.model"
+  outside.write_bytes(b"not the workdir's")
+  named = str(outside) if named == "outside" else named
+  run = make_workdir(tmp_path / "run", vocab=False, config={"vocab_path": named})
+  (tmp_path / "run" / "link").symlink_to(tmp_path)
+  with pytest.raises(FileNotFoundError) as error:
+    workdir.vocab_path(run)
+  message = str(error.value)
+  assert "outside the workdir" in message and "cp " in message and "\n" not in message
 
 
 @pytest.mark.parametrize("which,want", [("auto", "auto"), ("averaged", "averaged"),
@@ -262,6 +278,9 @@ def test_a_trained_workdir_is_read_once_into_a_value(tmp_path, monkeypatch):
   (tmp_path / "run" / workdir.IMPORT_FILE).write_text('{"imported_from": "opus-mt-x"}')
   assert workdir.read("run", None, choose=choose).imported == {"imported_from": "opus-mt-x"}
   assert len(calls) == 1 and workdir.read("run", None).checkpoint is None
+  (tmp_path / "run" / workdir.IMPORT_FILE).write_text('["not", "an", "import", "record"]')
+  with pytest.raises(ValueError, match="import.json is not an import record"):
+    workdir.read("run", None)
   with pytest.raises(FileNotFoundError, match="workdir gone does not exist; train a model"):
     workdir.read("gone")
   with pytest.raises(OptionError, match="checkpoint"):

@@ -92,13 +92,17 @@ def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: boo
                                      train_pairs=train_pairs, eval_pairs=eval_pairs)
 
 
-def load_translator(workdir: str, checkpoint="auto", *, weights_dtype: str | None = None):
+def load_translator(workdir: str, checkpoint="auto", *, weights_dtype: str | None = None,
+                    trust_compiled: bool = False):
   """A `decoding.translator.Translator` for a trained workdir (`decoding.loader.load_translator`;
-  `weights_dtype="bfloat16"`: faster on CPUs with AVX512-BF16, see `Translator`)."""
+  `weights_dtype="bfloat16"`: faster on CPUs with AVX512-BF16, see `Translator`;
+  `trust_compiled=True`: a copy of your own workdir, whose compiled decoders
+  this machine then seals and loads: docs/security.md)."""
   from transformer.decoding import loader
   from transformer.runtime import compile_cache
   compile_cache.enable()
-  return loader.load_translator(workdir, checkpoint, weights_dtype=weights_dtype)
+  return loader.load_translator(workdir, checkpoint, weights_dtype=weights_dtype,
+                                trust_compiled=trust_compiled)
 
 
 def __getattr__(name):

@@ -25,6 +25,7 @@ A leaf module (no imports from `transformer`), so that `tokenizer.py` and
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -201,6 +202,18 @@ def write_atomically(path: str | os.PathLike,
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def open_for_append(path: str | os.PathLike):
+  """`path` opened to append UTF-8 text (created if missing), never through
+  a symbolic link and only if it is a regular file: a log in a workdir that
+  someone else handed over must not write wherever a planted link points.
+  Raises OSError otherwise (ELOOP for a link)."""
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise OSError(f"{path} is not a regular file")
+  return open(fd, "a", encoding="utf-8")
 
 
 def _umask() -> int:

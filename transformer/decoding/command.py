@@ -60,6 +60,7 @@ class Request:
   window_lines: int = streaming.WINDOW_LINES
   param_sharding: str = "replicated"
   weights_dtype: str | None = None
+  trust_compiled: bool = False  # --trust_compiled: `loader.load_translator`'s
   plot_dir: str | None = None  # --plot_attention
   quiet: bool = False
 
@@ -138,7 +139,8 @@ def load(request: Request, model: workdir_lib.Workdir):
   try:
     translator, info = loader.load_translator(model, with_info=True,
                                               param_sharding=request.param_sharding,
-                                              weights_dtype=request.weights_dtype)
+                                              weights_dtype=request.weights_dtype,
+                                              trust_compiled=request.trust_compiled)
   except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
   if info["kind"] == "averaged":

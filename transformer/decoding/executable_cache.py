@@ -33,11 +33,18 @@ cost a trace of the whole model at every start (0.26-0.47 s of a 2 s
 program, the output projection's layout (`<key>.logits_kernel`). A start
 that finds all of them traces nothing, so it never imports flax.
 
-A file that does not load (another jaxlib, a truncated write) is removed and
-the decoder compiled (the shapes traced) as if there were none. The directory
-is kept under MAX_BYTES (2 GiB): each new file removes the least recently
-used ones beyond it (a load marks its file used). The cache is off when the
-compilation cache is (`--compilation_cache=off`).
+Every file is sealed (`runtime/signing.py`: an HMAC-SHA256 tag under a key
+only this user on this machine holds) and nothing is deserialized unless its
+tag verifies: a serialized executable is a pickle, and a workdir is data that
+anyone may hand over (docs/security.md). A file that is not sealed here (a
+planted pickle, random bytes, a truncated write, a copy from another machine)
+is said once per directory, in one line, then compiled afresh (the shapes
+traced) and stored sealed with this machine's key. The parameters' shapes are
+plain data and kept as JSON. A sealed file that still does not load is
+removed and made again. The directory is kept under MAX_BYTES (2 GiB): each
+new file removes the least recently used ones beyond it (a load marks its
+file used). The cache is off when the compilation cache is
+(`--compilation_cache=off`).
 
 The decoders travel with the model: a Translator loaded from a workdir
 (`loader.load_translator`) also keeps them in `<workdir>/compiled/`
@@ -45,7 +52,9 @@ The decoders travel with the model: a Translator loaded from a workdir
 found only in the machine's cache is copied there. A workdir copied to Drive,
 a bucket or a serving host of the same kind (the key names the platform,
 devices, CPU flags, versions and code) then starts warm on a machine whose
-cache is empty. That directory is kept under MAX_MODEL_BYTES (256 MiB, least
+cache is empty, where that machine holds the same key (a copy of the key
+file), or after `trust` (`decode.py --trust_compiled`) sealed them anew with
+its own. That directory is kept under MAX_MODEL_BYTES (256 MiB, least
 recently used first; the small-corpus model's decoders for 1,000 lines take
 4-9 MB); it is not used for a workdir that is not local, with several
 processes, with the cache off, or with $TRANSFORMER_WORKDIR_DECODERS=off.
@@ -61,6 +70,7 @@ import logging
 import os
 import pickle
 import platform
+import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +80,8 @@ import jax
 import jaxlib
 
 from transformer.data.text_io import write_atomically
-from transformer.runtime import compile_cache, multihost
+from transformer.runtime import compile_cache, signing
+from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +99,7 @@ jax.monitoring.register_event_listener(_count_cache_hits)
 
 SUBDIRECTORY = "decoders"
 MODEL_SUBDIRECTORY = "compiled"  # in a workdir: its decoders (`model_directory`)
-FORMAT = 2  # bump when what a file holds changes
+FORMAT = 3  # bump when what a file holds changes (3: sealed, shapes as JSON)
 MAX_BYTES = 2 << 30  # the directory's files beyond this: the least recently used go
 MAX_MODEL_BYTES = 256 << 20  # ... and a workdir's
 MODEL_ENV = "TRANSFORMER_WORKDIR_DECODERS"  # "off": no decoders kept in workdirs
@@ -108,11 +119,12 @@ def model_directory(model) -> Path | None:
   $TRANSFORMER_WORKDIR_DECODERS=off (the tests' setting: they never write
   into the repository's fixtures), for a workdir that is not a local path, or
   with several processes."""
-  path = None if model is None else os.fspath(getattr(model, "path", model))
-  if (path is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
-      or jax.process_count() > 1 or not multihost.is_local(path)):
+  if model is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off":
     return None
-  return Path(path) / MODEL_SUBDIRECTORY
+  local = model.local if hasattr(model, "local") else workdir_lib.is_local(model)
+  if jax.process_count() > 1 or not local:
+    return None
+  return Path(os.fspath(getattr(model, "path", model))) / MODEL_SUBDIRECTORY
 
 
 def _hash_sources() -> str:
@@ -202,12 +214,13 @@ def _compile_fresh(compile_fn: Callable[[], jax.stages.Compiled]) -> jax.stages.
 
 
 def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
-                  dump: Callable[[Any], Any], load: Callable[[Any], Any],
+                  dump: Callable[[Any], bytes], load: Callable[[bytes], Any],
                   model_dir: Path | None = None) -> tuple[Any, bool]:
-  """(value, whether it was loaded): `load` of the pickle stored under
+  """(value, whether it was loaded): `load` of the payload stored under
   `key(parts)` + `suffix` in `model_dir` (a workdir's: `model_directory`) or
-  else in the cache, if there is one that loads, else `make()`, then stored
-  as the pickle of `dump(value)` in both. `what` names the value in warnings.
+  else in the cache, if there is one that this machine sealed
+  (`signing.unseal`) and that loads, else `make()`, then stored as
+  `dump(value)`, sealed, in both. `what` names the value in warnings.
   Nothing is read or stored when the compilation cache is off."""
   cache = directory()
   if cache is None:
@@ -216,12 +229,17 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
   places = [where for where in (model_dir, cache) if where is not None]
   for where in places:
     path = where / name
-    if not path.exists():
+    stored = _read_regular_file(path, MAX_MODEL_BYTES if where == model_dir else MAX_BYTES)
+    if stored is None:
       continue
     try:
-      stored = path.read_bytes()
-      value = load(pickle.loads(stored))
-    except Exception as e:  # (another jaxlib, a truncated file: make it again)
+      payload = signing.unseal(name, stored)
+    except signing.NotSealedHere as e:  # (never deserialized: compiled afresh, sealed)
+      _say_refused(where, path, e, model=where == model_dir)
+      continue
+    try:
+      value = load(payload)
+    except Exception as e:  # (sealed here, yet it does not load: make it again)
       logger.warning("%s %s did not load (%s: %s); making it again.", what, path,
                      type(e).__name__, e)
       with contextlib.suppress(OSError):
@@ -233,10 +251,15 @@ def _load_or_make(parts: dict, suffix: str, what: str, make: Callable[[], Any],
       _store(model_dir, name, stored, what, MAX_MODEL_BYTES, quiet=True)
     return value, True
   value = make()
-  stored = pickle.dumps(dump(value))
-  _store(cache, name, stored, what, MAX_BYTES)
-  if model_dir is not None:
-    _store(model_dir, name, stored, what, MAX_MODEL_BYTES, quiet=True)
+  try:
+    stored = signing.seal(name, dump(value))
+  except Exception as e:  # (a value that does not serialize: used, not kept)
+    logger.info("The %s is not kept (%s: %s).", what, type(e).__name__, e)
+    stored = None
+  if stored is not None:
+    _store(cache, name, stored, what, MAX_BYTES)
+    if model_dir is not None:
+      _store(model_dir, name, stored, what, MAX_MODEL_BYTES, quiet=True)
   return value, False
 
 
@@ -258,6 +281,74 @@ def _store(where: Path, name: str, stored: bytes, what: str, max_bytes: int,
         "Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
 
 
+def _read_regular_file(path: Path, max_bytes: int) -> bytes | None:
+  """The bytes of `path` if it is a regular file (not a link, a FIFO or a
+  device that a received workdir could plant) of at most `max_bytes`; None
+  where there is none such."""
+  try:
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
+      return None
+    with open(path, "rb") as f:
+      return f.read(max_bytes + 1)[:max_bytes]
+  except OSError:
+    return None
+
+
+_refused_in: set[Path] = set()  # the directories whose refusal was said
+
+
+def _say_refused(where: Path, path: Path, why: Exception, *, model: bool) -> None:
+  """One line per directory and process: files there that this machine
+  cannot prove it wrote are not loaded."""
+  if where in _refused_in:
+    return
+  _refused_in.add(where)
+  if model:
+    logger.warning(
+        "%s: compiled decoders that this machine cannot prove it wrote (%s: %s) are not "
+        "loaded; compiling afresh. A copy of your own workdir? --trust_compiled "
+        "(docs/security.md).", where.parent, path.name, why)
+  else:
+    logger.warning("%s: files this machine cannot prove it wrote (%s: %s) are not loaded; "
+                   "compiling afresh.", where, path.name, why)
+
+
+def trust(model_dir: Path | None) -> int:
+  """Seals anew, with this machine's key, every sealed file in `model_dir`
+  (a workdir's `compiled/`): the explicit act (`decode.py --trust_compiled`,
+  `load_translator(..., trust_compiled=True)`) by which a user says that a
+  workdir copied from a machine of their own holds nothing but what they
+  compiled, so that it starts warm here. Files that are not sealed files
+  are left as they are (and compiled afresh when asked for). Returns how
+  many files were sealed anew; a workdir that cannot be written is said."""
+  if model_dir is None or not model_dir.is_dir():
+    return 0
+  count = 0
+  for path in sorted(model_dir.iterdir()):
+    stored = _read_regular_file(path, MAX_MODEL_BYTES)
+    if stored is None or path.name.startswith("."):
+      continue
+    with contextlib.suppress(signing.NotSealedHere):
+      signing.unseal(path.name, stored)
+      continue  # (sealed here already)
+    resealed = signing.reseal(path.name, stored)
+    if resealed is None:
+      continue
+    try:
+      write_atomically(str(path), resealed)
+    except OSError as e:
+      logger.warning("Cannot trust the compiled decoders of %s: it cannot be written (%s); "
+                     "copy your signing key instead (docs/security.md).", model_dir.parent,
+                     e.strerror or e)
+      return count
+    count += 1
+  if count:
+    logger.info("Trusted %d compiled file(s) of %s: sealed with this machine's key.",
+                count, model_dir.parent)
+  return count
+
+
 def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], *,
                     suffix: str = ".bin", what: str = "compiled decoder",
                     model_dir: Path | None = None):
@@ -273,8 +364,10 @@ def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], 
   return _load_or_make(
       parts, suffix, what,
       make=lambda: _compile_fresh(compile_fn),
-      dump=serialize_executable.serialize,
-      load=lambda stored: serialize_executable.deserialize_and_load(*stored),
+      # (pickle, as JAX's own serialization is: read only once `unseal` proved
+      # that this machine wrote it)
+      dump=lambda compiled: pickle.dumps(serialize_executable.serialize(compiled)),
+      load=lambda payload: serialize_executable.deserialize_and_load(*pickle.loads(payload)),
       model_dir=model_dir)
 
 
@@ -286,6 +379,35 @@ def load_or_eval_shape(parts: dict, fn: Callable, *args, model_dir: Path | None 
   as `load_or_compile`'s."""
   shapes, _ = _load_or_make(parts, ".shapes", "parameter shapes",
                             make=lambda: jax.eval_shape(fn, *args),
-                            dump=lambda shapes: shapes, load=lambda shapes: shapes,
+                            dump=_shapes_to_json, load=_shapes_from_json,
                             model_dir=model_dir)
   return shapes
+
+
+def _shapes_to_json(tree) -> bytes:
+  """A pytree of dicts, lists and tuples whose leaves have a shape and a dtype
+  (`jax.ShapeDtypeStruct`s: the parameters') as JSON, each node tagged with
+  its kind: {"dict": {"w": {"leaf": ["float32", [512, 64]]}}}. TypeError for
+  any other kind of node (then the value is not kept)."""
+  def encode(node):
+    if isinstance(node, dict):
+      return {"dict": {str(k): encode(v) for k, v in node.items()}}
+    if isinstance(node, (list, tuple)):
+      return {type(node).__name__: [encode(v) for v in node]}
+    if hasattr(node, "shape") and hasattr(node, "dtype"):
+      return {"leaf": [str(node.dtype), [int(n) for n in node.shape]]}
+    raise TypeError(f"not a tree of shapes: {type(node).__name__}")
+  return json.dumps(encode(tree)).encode()
+
+
+def _shapes_from_json(payload: bytes):
+  """`_shapes_to_json`'s tree back, as `jax.ShapeDtypeStruct`s."""
+  def decode(node):
+    (kind, value), = node.items()
+    if kind == "dict":
+      return {k: decode(v) for k, v in value.items()}
+    if kind in ("list", "tuple"):
+      return (list if kind == "list" else tuple)(decode(v) for v in value)
+    dtype, shape = value
+    return jax.ShapeDtypeStruct(tuple(int(n) for n in shape), jax.numpy.dtype(dtype))
+  return decode(json.loads(payload))

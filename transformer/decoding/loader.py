@@ -38,7 +38,8 @@ def read_workdir(workdir: str | os.PathLike, checkpoint: str | int = "auto"
 
 def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
                     checkpoint: str | int = "auto", *, with_info: bool = False,
-                    param_sharding: str = "replicated", weights_dtype: str | None = None):
+                    param_sharding: str = "replicated", weights_dtype: str | None = None,
+                    trust_compiled: bool = False):
   """A Translator for a workdir written by train.py.
 
   Args:
@@ -54,6 +55,12 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
       on one device.
     weights_dtype: None (the model's) or "bfloat16": the projections'
       weights in bfloat16 (see `Translator`).
+    trust_compiled: the compiled decoders in `<workdir>/compiled/` were
+      written by a machine of yours (a copy of your own workdir): seal them
+      with this machine's key and load them (`executable_cache.trust`).
+      Otherwise only those this machine sealed are loaded; the others are
+      compiled afresh (docs/security.md). Never set it for a workdir you
+      received from someone else: loading a compiled decoder can run code.
   Returns:
     The Translator, or (Translator, info) with `with_info=True`.
   Raises:
@@ -67,7 +74,14 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
       logger.warning("%s", workdir.checkpoint_note)
   model_config = workdir.model_config
   tokenizer = load_tokenizer(workdir.vocab_path)
-  target = param_shapes(model_config, executable_cache.model_directory(workdir))
+  if tokenizer.vocab_size > model_config.vocab_size:  # (ids past the embedding otherwise)
+    raise ValueError(f"{workdir.vocab_path} has {tokenizer.vocab_size} pieces, more than the "
+                     f"model's vocab_size {model_config.vocab_size}: it is not this model's "
+                     "vocabulary")
+  model_dir = executable_cache.model_directory(workdir)
+  if trust_compiled:
+    executable_cache.trust(model_dir)
+  target = param_shapes(model_config, model_dir)
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -99,7 +113,7 @@ def _restore(workdir: workdir_lib.Workdir, target) -> tuple[dict, dict]:
   `target`."""
   from transformer.runtime import averaging  # (orbax, 0.2 s: not for a serving copy)
   try:
-    return averaging.load_params(str(workdir.path), target, which=workdir.checkpoint,
+    return averaging.load_params(workdir.path, target, which=workdir.checkpoint,
                                  with_info=True)
   except FileNotFoundError as e:  # (a checkpoint deleted since it was listed)
     raise FileNotFoundError(f"cannot load the parameters: {e}") from e

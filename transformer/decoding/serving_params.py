@@ -53,7 +53,7 @@ import numpy as np
 
 from transformer.data.text_io import write_atomically
 from transformer.decoding import executable_cache
-from transformer.runtime import checkpoint_names, multihost
+from transformer.runtime import checkpoint_names
 from transformer.runtime.disk_space import tree_bytes
 from transformer.runtime import workdir as workdir_lib
 
@@ -75,7 +75,7 @@ def directory() -> Path | None:
 def applies(workdir: str | os.PathLike) -> bool:
   """Whether a copy can stand for the listing and restore (module docstring;
   the loader leaves FSDP-sharded parameters to orbax)."""
-  return (directory() is not None and multihost.is_local(os.fspath(workdir))
+  return (directory() is not None and workdir_lib.is_local(os.fspath(workdir))
           and jax.process_count() == 1)
 
 
@@ -117,13 +117,13 @@ def resolve(workdir: str | os.PathLike, checkpoint: str | int
     record = json.loads(path.read_text())
     if record["format"] != FORMAT or record["fingerprint"] != now:
       record = None
-  except (OSError, ValueError, KeyError, TypeError):
+    elif str(checkpoint) in record["resolved"]:
+      which, note = record["resolved"][str(checkpoint)]
+      return which, note
+  except (OSError, ValueError, KeyError, TypeError):  # (unreadable: listed anew)
     record = None
   record = record or {"format": FORMAT, "fingerprint": now, "workdir": os.path.abspath(workdir),
                       "resolved": {}}
-  if str(checkpoint) in record["resolved"]:
-    which, note = record["resolved"][str(checkpoint)]
-    return which, note
   which, note = workdir_lib.list_checkpoint(workdir, checkpoint)
   record["resolved"][str(checkpoint)] = [which, note]
   _write(path, lambda f: f.write(json.dumps(record).encode()))

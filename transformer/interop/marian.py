@@ -75,7 +75,7 @@ from transformer.data import marian_tokenizer
 from transformer.interop.marian_formats import MarianImportError, read_model
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import init_params
-from transformer.runtime import averaging, checkpoints, multihost
+from transformer.runtime import averaging, checkpoints
 from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def import_model(model: str, workdir: str, *, revision: str | None = None,
                      (workdir_lib.VOCAB_FILE, tokenizer.serialized_model()),
                      ("source.spm", source.source_spm), ("target.spm", source.target_spm),
                      (workdir_lib.IMPORT_FILE, json.dumps(info, indent=2).encode())):
-    multihost.write_file(os.path.join(workdir, name), data)
+    workdir_lib.write_file(os.path.join(workdir, name), data)
   averaging.save_averaged(workdir, params, [0], metadata={"imported_from": model})
   logger.info("Imported %s into %s (%d parameters).", model, workdir,
               sum(np.size(x) for x in jax.tree.leaves(params)))

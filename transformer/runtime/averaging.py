@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import logging
 import os
 import shutil
@@ -27,10 +26,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer.runtime import multihost
+from transformer.runtime import workdir as workdir_lib
+from transformer.runtime.checkpoint_names import averaged_info, checkpoint_steps, step_dir
 from transformer.runtime.checkpoints import (AVERAGED_DIR, CHECKPOINT_DIR, META_ITEM, PARAMS_ITEM,
-                                             PARAMS_KEY, STATE_ITEM, checkpoint_steps,
-                                             restore_params_from_state, step_dir)
+                                             PARAMS_KEY, STATE_ITEM, restore_params_from_state)
 from transformer.runtime.orbax_items import (abstract_target, manager_options,
                                              multiprocessing_options, pytree_handler,
                                              pytree_save)
@@ -72,7 +71,7 @@ def average_checkpoints(
   if steps is None:
     available = checkpoint_steps(workdir)
     if not available:
-      directory = multihost.resolve(workdir) / CHECKPOINT_DIR
+      directory = workdir_lib.resolve(workdir) / CHECKPOINT_DIR
       raise FileNotFoundError(f"No checkpoints to average in {directory}.")
     steps = available[-num:]
   steps = [int(s) for s in steps]
@@ -123,7 +122,7 @@ def save_averaged(
   steps = [int(s) for s in steps]
   if not steps:
     raise ValueError("save_averaged: no steps given.")
-  directory = multihost.resolve(workdir) / AVERAGED_DIR
+  directory = workdir_lib.resolve(workdir) / AVERAGED_DIR
   step = max(steps)
   per_process = per_process and jax.process_count() > 1
   manager = ocp.CheckpointManager(
@@ -181,7 +180,7 @@ def _averaged_disk_full(workdir, directory, steps, needed, unfinished=()) -> Dis
       directory, f"the average of steps {list(steps)}", needed,
       shutil.disk_usage(directory).free, latest, unfinished=unfinished,
       advice=(f"Free space on that disk (the training checkpoints in "
-              f"{multihost.resolve(workdir) / CHECKPOINT_DIR} are complete), or "
+              f"{workdir_lib.resolve(workdir) / CHECKPOINT_DIR} are complete), or "
               "set config.average_last=1 to skip averaging"))
 
 
@@ -199,23 +198,12 @@ def average_and_save(
   if steps is None:
     steps = checkpoint_steps(workdir)[-num:]
     if not steps:
-      directory = multihost.resolve(workdir) / CHECKPOINT_DIR
+      directory = workdir_lib.resolve(workdir) / CHECKPOINT_DIR
       raise FileNotFoundError(f"No checkpoints to average in {directory}.")
   steps = [int(s) for s in steps]
   params = average_checkpoints(workdir, target_params, steps=steps, params_key=params_key)
   save_averaged(workdir, params, steps, per_process=per_process)
   return params, steps
-
-
-def averaged_info(workdir: str | os.PathLike) -> dict[str, Any] | None:
-  """Metadata of the averaged checkpoint ({"averaged_steps": ..., ...}) or None."""
-  steps = checkpoint_steps(workdir, AVERAGED_DIR)
-  if not steps:
-    return None
-  path = step_dir(workdir, steps[-1], AVERAGED_DIR) / META_ITEM / "metadata"
-  info = json.loads(path.read_text())
-  info["step"] = steps[-1]
-  return info
 
 
 def load_params(
@@ -229,7 +217,7 @@ def load_params(
   """Loads params for decoding.
 
   Args:
-    workdir: the run's workdir.
+    workdir: the run's workdir, resolved (`workdir.read`'s `Workdir.path`).
     target_params: structure/dtypes/shardings (concrete or `jax.eval_shape`
       output; leaves without sharding are restored replicated).
     which: "averaged" (the averaged checkpoint), "latest" (the newest training
@@ -241,7 +229,7 @@ def load_params(
     params, or (params, info) with `with_info=True`; info has "kind"
     ("averaged" | "step"), "step", "path" and, for averaged, "averaged_steps".
   """
-  workdir = multihost.resolve(workdir)
+  workdir = epath.Path(workdir)  # (resolved already: the door's `Workdir.path`)
   if which == "auto":
     which = "averaged" if checkpoint_steps(workdir, AVERAGED_DIR) else "latest"
   if which == "averaged":

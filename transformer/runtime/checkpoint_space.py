@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from transformer.runtime import multihost
+from transformer.runtime import workdir as workdir_lib
 from transformer.runtime.disk_space import (SPACE_MARGIN, DiskFullError, disk_bytes, is_disk_full,
                                             remove_unfinished)
 
@@ -55,7 +56,7 @@ class CheckpointSpace:
     if latest is None:
       return
     needed = self.needed_bytes(latest)
-    free = shutil.disk_usage(self.directory).free if multihost.is_local(self.directory) else None
+    free = shutil.disk_usage(self.directory).free if workdir_lib.is_local(self.directory) else None
     fits = free is None or free >= needed
     if self.per_process:
       fits = multihost.all_processes(fits)

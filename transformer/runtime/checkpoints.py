@@ -63,7 +63,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer.runtime import checkpoint_names, multihost
+from transformer.runtime import checkpoint_names
+from transformer.runtime import workdir as workdir_lib
 from transformer.runtime.checkpoint_space import CheckpointSpace
 from transformer.runtime.orbax_items import (ProcessJsonCheckpointHandler, ProcessJsonRestore,
                                              ProcessJsonSave, abstract_target,
@@ -78,7 +79,7 @@ CHECKPOINT_DIR = checkpoint_names.CHECKPOINT_DIR
 AVERAGED_DIR = checkpoint_names.AVERAGED_DIR
 STATE_ITEM = "state"
 DATA_ITEM = "data_state"
-META_ITEM = "meta"
+META_ITEM = checkpoint_names.META_ITEM
 PARAMS_ITEM = "params"
 PARAMS_KEY = "params"
 
@@ -130,7 +131,7 @@ class Checkpointer:
       raise ValueError(f"save_every must be >= 1, got {save_every}.")
     if keep is not None and keep < 1:
       raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}.")
-    self.workdir = multihost.resolve(workdir)
+    self.workdir = workdir_lib.resolve(workdir)
     self.directory = self.workdir / subdir
     self.per_process = per_process and jax.process_count() > 1
     if self.per_process and not read_only:
@@ -385,10 +386,6 @@ class Checkpointer:
 # --------------------------------------------------------------------------
 
 
-def step_dir(workdir, step: int, subdir: str = CHECKPOINT_DIR) -> epath.Path:
-  return multihost.resolve(workdir) / subdir / str(int(step))
-
-
 def restore_params_from_state(path: epath.Path, target_params: Any, params_key: str) -> Any:
   """Restores only `state[params_key]` from a step's `state` item."""
   abstract = {params_key: abstract_target(target_params)}
@@ -405,11 +402,3 @@ def restore_params_from_state(path: epath.Path, target_params: Any, params_key: 
         f" target: {e}"
     ) from e
   return restored[params_key]
-
-
-def checkpoint_steps(workdir: str | os.PathLike, subdir: str = CHECKPOINT_DIR) -> list[int]:
-  """Finished steps in `<workdir>/<subdir>`, ascending (tmp dirs excluded)."""
-  directory = multihost.resolve(workdir) / subdir
-  if not directory.exists():
-    return []
-  return sorted(ocp.utils.checkpoint_steps(directory))

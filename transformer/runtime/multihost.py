@@ -1,10 +1,8 @@
 """Several processes (hosts), beyond the device mesh: where their files are,
 how they find each other, and what they send each other.
 
-Workdirs. `resolve(workdir)` is a workdir as an `etils.epath.Path`: a local
-path made absolute, an object-store address (gs://bucket/run, s3://...) kept
-as it is (`os.path.abspath` would make it /cwd/gs:/bucket/run). epath reads
-and writes both, as orbax does; `write_file` writes whole files to either.
+Workdirs: their paths (`resolve`, `is_local`, `write_file`) are
+`workdir.py`'s, the one door into a workdir.
 
 Shared or separate disks. The processes of a multi-host run may all see one
 workdir (a shared file system, an object store), or each its own (each
@@ -36,7 +34,7 @@ computes its share of the work on `items` (e.g. every count-th decoding
 batch), and every process gets all the results back, in order
 (`allgather_strings`).
 
-Imports nothing from `transformer` but `text_io` (a leaf).
+Imports nothing from `transformer` but `parallel` and `workdir` (its paths).
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ import glob
 import importlib.util
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -53,8 +50,8 @@ import jax
 import numpy as np
 from etils import epath
 
-from transformer.data.text_io import write_atomically
 from transformer.runtime import parallel
+from transformer.runtime.workdir import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -62,40 +59,7 @@ logger = logging.getLogger(__name__)
 # (`cluster_detected`): Slurm, Open MPI, Cloud TPU on GKE, a Cloud TPU VM.
 AUTO_DETECTED_CLUSTERS = ("slurm", "ompi", "gketpu", "tpuvm")
 
-_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _MARKER_PREFIX = ".workdir_check-"
-
-
-# ----------------------------------------------------------------------------
-# Paths
-# ----------------------------------------------------------------------------
-
-
-def is_local(path: str | os.PathLike) -> bool:
-  """Whether `path` is on a local (or mounted) file system, not an address
-  like gs://bucket/run."""
-  return not _URI.match(os.fspath(path))
-
-
-def resolve(workdir: str | os.PathLike) -> epath.Path:
-  """`workdir` as an epath.Path: absolute if local, an address unchanged."""
-  text = os.fspath(workdir)
-  return epath.Path(os.path.abspath(text) if is_local(text) else text)
-
-
-def write_file(path: str | os.PathLike, content: bytes | str) -> None:
-  """Writes `content` whole: locally through `text_io.write_atomically` (a
-  temporary file renamed), elsewhere as one object (object stores replace
-  an object whole)."""
-  if is_local(path):
-    write_atomically(path, content)
-    return
-  path = epath.Path(os.fspath(path))
-  path.parent.mkdir(parents=True, exist_ok=True)
-  if isinstance(content, str):
-    path.write_text(content)
-  else:
-    path.write_bytes(content)
 
 
 # ----------------------------------------------------------------------------

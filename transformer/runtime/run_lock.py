@@ -18,6 +18,7 @@ import stat
 import jax
 
 from transformer.runtime import multihost
+from transformer.runtime import workdir as workdir_lib
 from transformer.runtime.workdir import LOCK_FILE
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def hold(workdir: str, *, shared: bool = True):
   fd = None
   refused = None
   if jax.process_index() == 0 or not shared:
-    if multihost.is_local(workdir):
+    if workdir_lib.is_local(workdir):
       try:
         fd = _lock(os.path.join(workdir, LOCK_FILE))
       except (WorkdirLocked, LockFileRefused) as e:

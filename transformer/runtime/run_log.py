@@ -12,7 +12,9 @@ import sys
 
 import jax
 
-from transformer.runtime import multihost, preemption
+from transformer.data import text_io
+from transformer.runtime import preemption
+from transformer.runtime import workdir as workdir_lib
 from transformer.runtime.workdir import LOG_FILE
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def run_log(workdir: str):
   and print "RuntimeError: Event loop is closed" tracebacks) go here too,
   not to the console, while the run lasts."""
   path = log_path(workdir)
-  if not multihost.is_local(path):  # (an object store cannot append)
+  if not workdir_lib.is_local(path):  # (an object store cannot append)
     logger.info("The run's log is not written to %s (not a local file system); "
                 "logging to the console only.", path)
     yield None
@@ -85,6 +87,11 @@ class _QuietFileHandler(logging.FileHandler):
 
   def handleError(self, record):
     del record
+
+  def _open(self):
+    """The log opened as `text_io.open_for_append` does: never through a
+    link that a received workdir planted."""
+    return text_io.open_for_append(self.baseFilename)
 
   def note(self, level: int, message: str, exc_info=None) -> None:
     """Writes `message` to this file only (not to the console's handlers)."""

@@ -8,8 +8,8 @@ and the notebook read::
     <workdir>/config.json            the full training config (CONFIG_FILE)
     <workdir>/model_config.json      the TransformerConfig (MODEL_CONFIG_FILE)
     <workdir>/vocab.model            the SentencePiece vocabulary (VOCAB_FILE)
-    <workdir>/checkpoints/           orbax checkpoints (checkpoints.CHECKPOINT_DIR)
-    <workdir>/checkpoints_averaged/  the average of the last ones (checkpoints.AVERAGED_DIR)
+    <workdir>/checkpoints/           orbax checkpoints (checkpoint_names.CHECKPOINT_DIR)
+    <workdir>/checkpoints_averaged/  the average of the last ones (checkpoint_names.AVERAGED_DIR)
     <workdir>/metrics.jsonl, tensorboard/   metrics (see metrics.py)
     <workdir>/train.lock             held by the run training here (LOCK_FILE)
     <workdir>/train.log              that run's log and the traceback of a fatal
@@ -30,14 +30,19 @@ Which checkpoint: "auto" (the averaged one if there is one, else the latest),
 "averaged", "latest", or a step number; `resolve_checkpoint` turns that into
 "averaged" or a step, or an error that says what is missing and what to do.
 
-Read once: `read` turns a trained workdir into a `Workdir` value (its path
-resolved, its model config, its vocabulary, the checkpoint chosen and why, its
-import record). The loader, the serving copy and fine-tuning's start take that
-value; the layers below them take its path, never a workdir to interpret again.
+Read once, through one door: `read` turns a trained workdir into a `Workdir`
+value (its path resolved, its model config, its vocabulary, the checkpoint
+chosen and why, its import record), checking what it reads: a workdir is
+data that anyone may hand over (docs/security.md). The loader, the serving
+copy and fine-tuning's start take that value; the layers below them
+(checkpoint listing, averaging, orbax restore) take its resolved path and
+never resolve or interpret a workdir again.
 
-Every file written here is written whole or not at all (`multihost.write_file`).
+Every file written here is written whole or not at all (`write_file`).
 Workdirs may be local paths or addresses such as gs://bucket/run: files are
-read and written through `etils.epath` (`multihost.resolve`), as orbax does;
+read and written through `etils.epath` (`resolve`: a local path made
+absolute, an object-store address kept as it is, where `os.path.abspath`
+would make it /cwd/gs:/bucket/run), as orbax does;
 the lock and the run's log, which need a local file system, are skipped
 elsewhere, with a note.
 
@@ -57,12 +62,14 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 
 from etils import epath
 
+from transformer.data.text_io import write_atomically
 from transformer.model.config import TransformerConfig
-from transformer.runtime import multihost
+from transformer.runtime import checkpoint_names
 from transformer.runtime.errors import OptionError
 
 CONFIG_FILE = "config.json"
@@ -112,6 +119,41 @@ class CheckpointNotFound(FileNotFoundError):
     self.option, self.value, self.problem = "checkpoint", value, problem
 
 
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+# ----------------------------------------------------------------------------
+# Paths
+# ----------------------------------------------------------------------------
+
+
+def is_local(path: str | os.PathLike) -> bool:
+  """Whether `path` is on a local (or mounted) file system, not an address
+  like gs://bucket/run."""
+  return not _URI.match(os.fspath(path))
+
+
+def resolve(workdir: str | os.PathLike) -> epath.Path:
+  """`workdir` as an epath.Path: absolute if local, an address unchanged."""
+  text = os.fspath(workdir)
+  return epath.Path(os.path.abspath(text) if is_local(text) else text)
+
+
+def write_file(path: str | os.PathLike, content: bytes | str) -> None:
+  """Writes `content` whole: locally through `text_io.write_atomically` (a
+  temporary file renamed), elsewhere as one object (object stores replace
+  an object whole)."""
+  if is_local(path):
+    write_atomically(path, content)
+    return
+  path = epath.Path(os.fspath(path))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if isinstance(content, str):
+    path.write_text(content)
+  else:
+    path.write_bytes(content)
+
+
 def _train_hint(workdir: str) -> str:
   return f"train a model first: python train.py --workdir={workdir}"
 
@@ -124,7 +166,7 @@ def _train_hint(workdir: str) -> str:
 def save_configs(workdir: str, config: dict, model_config: TransformerConfig) -> None:
   """Writes config.json (the training config, as a dict) and model_config.json."""
   for name, value in ((CONFIG_FILE, config), (MODEL_CONFIG_FILE, model_config.to_dict())):
-    multihost.write_file(os.path.join(workdir, name),
+    write_file(os.path.join(workdir, name),
                          json.dumps(value, indent=2, sort_keys=True))
 
 
@@ -138,7 +180,7 @@ def load_model_config(workdir: str) -> TransformerConfig:
   path = _model_config_path(workdir)
   try:
     return TransformerConfig.from_dict(json.loads(epath.Path(path).read_text()))
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError, AttributeError) as e:
     raise ValueError(f"{path} is not a valid model config ({e}); it is written by "
                      "train.py, do not edit it") from None
 
@@ -152,11 +194,15 @@ def _model_config_path(workdir: str) -> str:
   return path
 
 
-def vocab_path(workdir: str) -> str:
-  """The workdir's vocabulary file (the rule is in the module docstring).
+def vocab_path(workdir: str | os.PathLike) -> str:
+  """The workdir's vocabulary file (the rule is in the module docstring). A
+  vocab_path in config.json is followed only inside the workdir: a record
+  that names a file elsewhere is refused (a workdir is data: it does not
+  choose which of this machine's files are read).
 
   Raises FileNotFoundError naming what is missing and what to do.
   """
+  workdir = os.fspath(workdir)
   path = os.path.join(workdir, VOCAB_FILE)
   if epath.Path(path).exists():
     return path
@@ -164,13 +210,29 @@ def vocab_path(workdir: str) -> str:
   try:
     configured = json.loads(
         epath.Path(os.path.join(workdir, CONFIG_FILE)).read_text()).get("vocab_path") or ""
-  except (OSError, ValueError):
+  except (OSError, ValueError, AttributeError):
     pass
-  if configured and os.path.exists(configured):
+  if not isinstance(configured, str):
+    configured = ""
+  if configured and not _inside(workdir, configured):
+    raise FileNotFoundError(
+        f"{path} not found, and {os.path.join(workdir, CONFIG_FILE)} names the vocabulary "
+        f"{configured}, outside the workdir, which is not read from a workdir's record: "
+        f"copy it in (cp {configured} {path})")
+  if configured and epath.Path(configured).exists():
     return configured
   also = f" (nor the config's vocab_path {configured})" if configured else ""
   raise FileNotFoundError(f"{path} not found{also}: the vocabulary is missing; "
                           f"{_train_hint(workdir)} (it writes {VOCAB_FILE} first)")
+
+
+def _inside(workdir: str, path: str) -> bool:
+  """Whether `path` (relative paths: to the workdir) lies inside `workdir`,
+  links followed; an address (gs://...) only under the workdir's own."""
+  if not is_local(workdir) or not is_local(path):
+    return path.startswith(workdir.rstrip("/") + "/")
+  top = os.path.realpath(workdir)
+  return os.path.commonpath([top, os.path.realpath(os.path.join(workdir, path))]) == top
 
 
 def check_files(workdir: str) -> None:
@@ -230,10 +292,15 @@ def check_config(workdir: str, config: dict) -> list[tuple[str, object, object]]
   if not epath.Path(path).exists():
     return []
   try:
-    stored = _flatten(json.loads(epath.Path(path).read_text()))
+    stored = json.loads(epath.Path(path).read_text())
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); it is written by train.py, do not "
                      "edit it (move it away to start this workdir's config afresh)") from None
+  if not isinstance(stored, dict):
+    raise ValueError(f"{path} is not a config (a JSON object is expected, not "
+                     f"{type(stored).__name__}); it is written by train.py, do not edit it "
+                     "(move it away to start this workdir's config afresh)")
+  stored = _flatten(stored)
   requested = _flatten(json.loads(json.dumps(config)))  # tuples -> lists, as stored
   changed = [(name, stored.get(name, _MISSING), requested.get(name, _MISSING))
              for name in sorted(set(stored) | set(requested))
@@ -273,31 +340,27 @@ def checkpoint_choice(which: str | int) -> str | int:
   raise OptionError("checkpoint", which, "choose auto, averaged, latest or a step number")
 
 
-def stale_average_note(workdir: str) -> str | None:
+def stale_average_note(workdir: str | os.PathLike,
+                       listing: checkpoint_names.Listing | None = None) -> str | None:
   """One line when the workdir's averaged checkpoint is older than its latest
   step (a finished run resumed to train further, then stopped before its new
-  average): "auto" then takes the latest step. None otherwise."""
-  # (imports orbax, 0.2 s: only a start that lists the checkpoints pays for it)
-  from transformer.runtime import averaging, checkpoints
-  averaged = checkpoints.checkpoint_steps(workdir, checkpoints.AVERAGED_DIR)
-  steps = checkpoints.checkpoint_steps(workdir)
-  if not averaged or not steps:
-    return None
-  try:  # the steps it averages; else the step it is filed under (the last of them)
-    averaged_up_to = max(averaging.averaged_info(workdir)["averaged_steps"])
-  except (OSError, ValueError, KeyError, TypeError):
-    averaged_up_to = averaged[-1]
-  if averaged_up_to >= steps[-1]:
+  average): "auto" then takes the latest step. None otherwise. `listing`:
+  the workdir's (`checkpoint_names.listing`), else listed here."""
+  listing = listing or checkpoint_names.listing(workdir)
+  steps, averaged_up_to = listing.steps, listing.averaged_up_to
+  if averaged_up_to is None or not steps or averaged_up_to >= steps[-1]:
     return None
   return (f"note: the averaged checkpoint of {workdir} (steps up to {averaged_up_to}) is "
           f"older than its latest step {steps[-1]}: decoding step {steps[-1]} "
           "(--checkpoint=averaged takes the average anyway)")
 
 
-def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
+def resolve_checkpoint(workdir: str | os.PathLike, which: str | int = "auto",
+                       listing: checkpoint_names.Listing | None = None) -> str | int:
   """The checkpoint `which` names in `workdir`: "averaged" or a step number.
   "auto": the averaged checkpoint when it is at least as new as the latest
-  step, else the latest step (`stale_average_note` says why).
+  step, else the latest step (`stale_average_note` says why). `listing`: as
+  `stale_average_note`'s.
 
   Reads directory listings and the averaged checkpoint's metadata (no arrays).
   Raises:
@@ -305,20 +368,21 @@ def resolve_checkpoint(workdir: str, which: str | int = "auto") -> str | int:
     CheckpointNotFound: the averaged checkpoint or that step is not there.
     FileNotFoundError: there is no checkpoint at all.
   """
-  from transformer.runtime import checkpoints  # (orbax: see stale_average_note)
   which = checkpoint_choice(which)
-  ckpt_dir = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
-  averaged_dir = os.path.join(workdir, checkpoints.AVERAGED_DIR)
-  has_averaged = bool(checkpoints.checkpoint_steps(workdir, checkpoints.AVERAGED_DIR))
+  listing = listing or checkpoint_names.listing(workdir)
+  ckpt_dir = os.path.join(workdir, checkpoint_names.CHECKPOINT_DIR)
+  averaged_dir = os.path.join(workdir, checkpoint_names.AVERAGED_DIR)
+  has_averaged = bool(listing.averaged)
   if which == "auto":
-    which = "averaged" if has_averaged and not stale_average_note(workdir) else "latest"
+    which = ("averaged" if has_averaged and not stale_average_note(workdir, listing)
+             else "latest")
   if which == "averaged":
     if not has_averaged:
       raise CheckpointNotFound(
           which, f"no averaged checkpoint in {averaged_dir} (train.py writes one at the "
           "end when --config.average_last > 1); use checkpoint=latest or a step number")
     return "averaged"
-  steps = checkpoints.checkpoint_steps(workdir)
+  steps = listing.steps
   if not steps:
     raise FileNotFoundError(f"no checkpoint in {ckpt_dir}: {_train_hint(workdir)} (it "
                             "saves every --config.checkpoint_every steps and at the end)")
@@ -345,24 +409,33 @@ class Workdir:
   checkpoint_note: str | None  # why "auto" chose the latest step over a stale average
   imported: dict | None  # import.json: where an imported model came from
 
+  @property
+  def local(self) -> bool:
+    """Whether it is on a local file system (not gs://...)."""
+    return is_local(self.path)
 
-def list_checkpoint(path: str | os.PathLike, checkpoint: str | int
+
+def list_checkpoint(path: epath.Path, checkpoint: str | int
                     ) -> tuple[str | int, str | None]:
   """(`resolve_checkpoint`'s answer, `stale_average_note`'s for "auto", else
-  None), from the checkpoint directories' listings (orbax)."""
-  which = resolve_checkpoint(path, checkpoint)
-  return which, (checkpoint == "auto" and stale_average_note(path)) or None
+  None), from the checkpoint directories' listings (orbax) of the resolved
+  `path`."""
+  listing = checkpoint_names.listing(path)
+  which = resolve_checkpoint(path, checkpoint, listing)
+  return which, (checkpoint == "auto" and stale_average_note(path, listing)) or None
 
 
 def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
          choose: Callable[[epath.Path, str | int], tuple[str | int, str | None]]
          = list_checkpoint) -> Workdir:
-  """`workdir` read once: its path resolved (`multihost.resolve`), its files
-  checked, its model config and vocabulary found, `checkpoint` ("auto",
-  "averaged", "latest", a step; None: none) chosen by `choose(path, choice)`
-  (default: listing the checkpoints; the decoding loader's keeps what it
-  listed: `serving_params.resolve`), and import.json read if there is one.
-  Nothing is restored.
+  """`workdir` read once, the one door: its path resolved (`resolve`), its
+  files checked, its model config and vocabulary found, `checkpoint`
+  ("auto", "averaged", "latest", a step; None: none) chosen by
+  `choose(path, choice)` (default: listing the checkpoints; the decoding
+  loader's keeps what it listed: `serving_params.resolve`), and import.json
+  read if there is one. What it reads is checked as data from a stranger
+  (docs/security.md): a record of the wrong type or an absurd size is one
+  sentence naming the file. Nothing is restored.
 
   Raises:
     FileNotFoundError (CheckpointNotFound among them) naming what is missing
@@ -370,8 +443,8 @@ def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
     a `checkpoint` that is no choice.
   """
   check_files(os.fspath(workdir))  # (its messages name the workdir as the caller did)
-  path = multihost.resolve(workdir)
-  model_config = load_model_config(str(path))
+  path = resolve(workdir)
+  model_config = load_model_config(path)
   which, note = (None, None) if checkpoint is None else choose(
       path, checkpoint_choice(checkpoint))
   imported_file = path / IMPORT_FILE
@@ -380,5 +453,9 @@ def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
   except ValueError as e:
     raise ValueError(f"{imported_file} is not valid JSON ({e}); it is written by the "
                      "importer, do not edit it") from None
-  return Workdir(path=path, model_config=model_config, vocab_path=vocab_path(str(path)),
+  if imported is not None and not isinstance(imported, dict):
+    raise ValueError(f"{imported_file} is not an import record (a JSON object is expected, "
+                     f"not {type(imported).__name__}); it is written by the importer, do not "
+                     "edit it")
+  return Workdir(path=path, model_config=model_config, vocab_path=vocab_path(path),
                  checkpoint=which, checkpoint_note=note, imported=imported)

@@ -94,7 +94,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   started = time.monotonic()
   run_setup.check_train_config(config)
-  path = multihost.resolve(workdir)  # a local path made absolute, or gs://... as it is
+  path = workdir_lib.resolve(workdir)  # a local path made absolute, or gs://... as it is
   path.mkdir(parents=True, exist_ok=True)
   shared = multihost.workdirs_shared(path, config.get("shared_workdir", "auto"))
   if not shared and config.get("state_sharding", "replicated") == "fsdp":

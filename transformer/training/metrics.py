@@ -12,7 +12,8 @@ import sacrebleu
 import tqdm
 from etils import epath
 
-from transformer.runtime import multihost
+from transformer.data import text_io
+from transformer.runtime import workdir as workdir_lib
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -46,7 +47,8 @@ class MetricsWriter:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
       path = os.path.join(workdir, METRICS_FILE)
-      self._jsonl = open(path, "a") if multihost.is_local(path) else _WrittenWhole(path)
+      self._jsonl = (text_io.open_for_append(path) if workdir_lib.is_local(path)
+                     else _WrittenWhole(path))
 
   def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
     if not self.enabled:
@@ -77,7 +79,7 @@ class _WrittenWhole:
     self._text += text
 
   def flush(self) -> None:
-    multihost.write_file(self._path, self._text)
+    workdir_lib.write_file(self._path, self._text)
 
   def close(self) -> None:
     pass

@@ -23,7 +23,6 @@ import sys
 
 from transformer.data import prepared
 from transformer.data import sources as data_sources
-from transformer.runtime import multihost
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import run_setup
 
@@ -58,7 +57,7 @@ def train_corpus(config, workdir: str, tokenizer, pairs: data_sources.StreamedPa
 
 def prepare(config, workdir: str) -> prepared.PreparedCorpus:
   """The vocabulary (as train.py would make it) and the training split's shards."""
-  path = multihost.resolve(workdir)
+  path = workdir_lib.resolve(workdir)
   path.mkdir(parents=True, exist_ok=True)
   workdir = str(path)
   workdir_lib.check_config(workdir, config.to_dict())

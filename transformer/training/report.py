@@ -14,6 +14,7 @@ import time
 from transformer.decoding import batch_plan, executable_cache, loader
 from transformer.training import metrics as metrics_lib
 from transformer.runtime import multihost
+from transformer.runtime import workdir as workdir_lib
 from transformer import plotting
 
 TEST_TRANSLATIONS_FILE = "test_translations.txt"
@@ -55,7 +56,7 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
     translator.decoders.keep_in(kept_in)
   seconds = time.perf_counter() - start
   path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
-  multihost.write_file(path, "".join(line + "\n" for line in hypotheses))
+  workdir_lib.write_file(path, "".join(line + "\n" for line in hypotheses))
   scores = metrics_lib.translation_scores(hypotheses, references)
   scores.update(sentences=float(len(pairs)), seconds=seconds,
                 compile_seconds=float(translator.last_stats.get("compile_seconds", 0.0)))

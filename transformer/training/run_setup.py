@@ -69,7 +69,7 @@ def init_from_vocabulary(source: str) -> str:
 def _within(directory: str, path: str) -> bool:
   """Whether `path` names a file inside `directory` (local paths resolved,
   symbolic links followed; addresses such as gs://... compared as text)."""
-  if multihost.is_local(directory) and multihost.is_local(path):
+  if workdir_lib.is_local(directory) and workdir_lib.is_local(path):
     directory, path = os.path.realpath(directory), os.path.realpath(path)
     return os.path.commonpath([directory, path]) == directory
   return os.path.normpath(path).startswith(os.path.normpath(directory).rstrip("/") + "/")
@@ -91,7 +91,7 @@ def train_vocabulary(config, train_pairs, path: str) -> tokenizer_lib.Tokenizer:
               "-> %s", config.vocab_size, len(sample), len(sample) // 2, len(train_pairs),
               max_sentences, threads, path)
   tokenizer = tokenizer_lib.train_tokenizer(
-      sample, path if multihost.is_local(path) else None, config.vocab_size,
+      sample, path if workdir_lib.is_local(path) else None, config.vocab_size,
       model_type=config.get("vocab_model_type", "unigram"), max_sentences=len(sample),
       num_threads=threads)
   logger.info("Trained the vocabulary (%d pieces) on %d sentences in %.1f s.",
@@ -135,7 +135,7 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
     if stored is None or (stored != model and not is_main):
       if stored is not None:
         logger.warning("%s differs from process 0's vocabulary: replaced by it.", path)
-      multihost.write_file(path, model)
+      workdir_lib.write_file(path, model)
   return tokenizer_lib.tokenizer_from_bytes(model, vocabulary_file(config) or path)
 
 
