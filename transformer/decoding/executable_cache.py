@@ -290,7 +290,7 @@ def _read_regular_file(path: Path, max_bytes: int) -> bytes | None:
     if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
       return None
     with open(path, "rb") as f:
-      return f.read(max_bytes + 1)[:max_bytes]
+      return f.read(info.st_size)
   except OSError:
     return None
 
