@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import tempfile
 
-import jax
-import pytest
+from helpers import CACHE_SETTINGS, FAST_COMPILE_FLAGS
+
+# Before JAX starts its backend: this process's programs compiled as the
+# subprocesses' are (helpers.FAST_COMPILE_FLAGS says why).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # train.py, decode.py and the API cache compiled programs in ~/.cache by
 # default (transformer/runtime/compile_cache.py); tests never write there. A test that
@@ -27,7 +33,6 @@ os.environ["TRANSFORMER_SIGNING_KEY"] = os.path.join(_KEY_DIR.name, "signing.key
 # (On CPU it changes nothing: XLA's CPU matmuls are always full float32.)
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from helpers import CACHE_SETTINGS
 
 
 MAX_WORKERS = 4
@@ -45,13 +50,15 @@ def pytest_xdist_auto_num_workers(config):
 
 
 @pytest.fixture(scope="module")
-def compilation_cache(tmp_path_factory):
-  """A persistent XLA compilation cache, one per pytest session (each program
-  is compiled once per session, not once per run; the cache changes how long
-  a compile takes, never what runs), switched on for the module's in-process
-  runs and restored after. Yields its directory, for subprocesses too."""
+def compilation_cache(tmp_path_factory, worker_id):
+  """A persistent XLA compilation cache, one per pytest session and shared by
+  its worker processes (each program is compiled once per session, not once
+  per run or per worker; the cache changes how long a compile takes, never
+  what runs), switched on for the module's in-process runs and restored
+  after. Yields its directory, for subprocesses too."""
   from jax.experimental.compilation_cache import compilation_cache as cc
-  path = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  base = tmp_path_factory.getbasetemp()
+  path = (base if worker_id == "master" else base.parent) / "jax_compilation_cache"
   names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
   old = {name: getattr(jax.config, name) for name in names}
   jax.config.update("jax_compilation_cache_dir", str(path))

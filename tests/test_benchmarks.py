@@ -268,7 +268,7 @@ def test_accelerator_check_runs_on_cpu_and_every_row_passes():
   exit status 0, every row of its table PASS, and every check present."""
   import subprocess
   from helpers import REPO, subprocess_env
-  env = subprocess_env(XLA_FLAGS="--xla_backend_optimization_level=0")
+  env = subprocess_env()  # (XLA at -O0: helpers.FAST_COMPILE_FLAGS)
   proc = subprocess.run([sys.executable, "benchmarks/accelerator_check.py", "--shapes=tiny",
                          "--repeats=2"], env=env, cwd=REPO, capture_output=True, text=True,
                         timeout=240)

@@ -11,7 +11,6 @@ before the model is loaded and are cheap.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 import os
 import shutil
@@ -49,31 +48,32 @@ def _text(lines, final_newline=True):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  from transformer.training import loop as training
-
-  spec = importlib.util.spec_from_file_location(
-      "demo_config", os.path.join(ROOT, "configs", "default.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
-                      num_decoder_layers=1)
-  config.update(batch_size=16, num_train_steps=TRAIN_STEPS, warmup_steps=50,
-                num_bleu_examples=0, vocab_size=128, eval_every=10**6, log_every=100,
-                checkpoint_every=TRAIN_STEPS, average_last=1)
-  config.data.update(demo_num_train=2000, demo_num_eval=32, demo_num_test=32)
-  path = str(tmp_path_factory.mktemp("decode_cli") / "run")
-  training.train_and_evaluate(config, path, quiet=True)
-  return path
+  """The demo's workdir as `python train.py` writes it (a tiny model), trained
+  by a train.py of its own with XLA's default optimizations: the model the
+  tests below were written against (bfloat16 weights translate exactly as its
+  float32 ones), which a program compiled at -O0 rounds differently in a
+  few last bits and trains into another."""
+  from helpers import run_checked, subprocess_env
+  path = tmp_path_factory.mktemp("decode_cli") / "run"
+  overrides = dict(batch_size=16, num_train_steps=TRAIN_STEPS, warmup_steps=50,
+                   num_bleu_examples=0, vocab_size=128, eval_every=10**6, log_every=100,
+                   checkpoint_every=TRAIN_STEPS, average_last=1, **{
+                       "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64,
+                       "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
+                       "data.demo_num_train": 2000, "data.demo_num_eval": 32,
+                       "data.demo_num_test": 32})
+  run_checked([sys.executable, "train.py", "--config=configs/default.py", f"--workdir={path}",
+               "--quiet", "--compilation_cache=off",
+               *(f"--config.{name}={value}" for name, value in overrides.items())],
+              subprocess_env(fast_compile=False), timeout=900)
+  return str(path)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-  env = dict(os.environ)
-  # Compilation is most of a run: compile at -O0 (several times faster; the
-  # model is tiny), and let later runs reuse the compilations of earlier ones
-  # (same model and shapes) from a persistent cache.
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+  env = dict(os.environ)  # (XLA at -O0, as conftest.py set it: helpers.FAST_COMPILE_FLAGS)
+  # Let later runs reuse the compilations of earlier ones (same model and
+  # shapes) from a persistent cache.
   env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",

@@ -128,22 +128,48 @@ def _translate_workdir(workdir, **load_options):
   return out, translator.last_stats
 
 
-@pytest.fixture
-def received_workdir(cache_dir, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def sealed_workdir(tmp_path_factory):
   """A copy of the fixture workdir whose compiled/ holds this machine's
   decoders, the parameters' shapes and the logits kernel (every suffix the
-  cache writes), its clean translations, and a machine with an empty cache
-  (another cache directory) where nothing has been refused yet."""
+  cache writes), and its clean translations: made once per module."""
   import shutil
-  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
-  workdir = tmp_path / "received"
-  shutil.copytree(FIXTURE_WORKDIR, workdir)
-  clean, _ = _translate_workdir(workdir)
+  names = ["jax_compilation_cache_dir", *CACHE_SETTINGS]
+  old = {name: getattr(jax.config, name) for name in names}
+  old_env = os.environ.get(executable_cache.MODEL_ENV)
+  base = tmp_path_factory.mktemp("sealed")
+  jax.config.update("jax_compilation_cache_dir", str(base / "cache"))
+  for name, value in CACHE_SETTINGS.items():
+    jax.config.update(name, value)
+  cc.reset_cache()
+  os.environ[executable_cache.MODEL_ENV] = "on"
+  try:
+    workdir = base / "run"
+    shutil.copytree(FIXTURE_WORKDIR, workdir)
+    clean, _ = _translate_workdir(workdir)
+  finally:
+    os.environ.pop(executable_cache.MODEL_ENV)
+    if old_env is not None:
+      os.environ[executable_cache.MODEL_ENV] = old_env
+    for name, value in old.items():
+      jax.config.update(name, value)
+    cc.reset_cache()
   compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
   assert {p.suffix for p in compiled.iterdir()} == {".bin", ".shapes", ".logits_kernel"}
+  return workdir, clean
+
+
+@pytest.fixture
+def received_workdir(sealed_workdir, cache_dir, tmp_path, monkeypatch):
+  """A copy of `sealed_workdir` on a machine with an empty cache (another
+  cache directory) where nothing has been refused yet; its clean translations."""
+  import shutil
+  workdir = tmp_path / "received"
+  shutil.copytree(sealed_workdir[0], workdir)
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
   jax.config.update("jax_compilation_cache_dir", str(tmp_path / "empty_cache"))
   monkeypatch.setattr(executable_cache, "_refused_in", set())
-  return workdir, clean
+  return workdir, sealed_workdir[1]
 
 
 @pytest.mark.parametrize("kind", helpers.HOSTILE_KINDS)

@@ -47,7 +47,6 @@ from transformer.decoding import loader
 
 TIMEOUT_S = 240
 # Compiling is most of a short run: XLA's -O0 compiles several times faster.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 
 
 # ----------------------------------------------------------------------------
@@ -326,7 +325,7 @@ def train_py_processes(workdirs, overrides, cache_dir, *, flags=True, env=None,
   (`helpers.run_together`)."""
   port = free_port()
   env = subprocess_env(cache_dir, JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
-                       XLA_FLAGS=FAST_COMPILE_FLAGS, **(env or {}))
+                       **(env or {}))
   commands = []
   for pid, workdir in enumerate(workdirs):
     multihost_flags = ([f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",

@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
-from helpers import small_disk  # noqa: E402
+from helpers import FAST_COMPILE_FLAGS, small_disk  # noqa: E402
 
 TIMEOUT_S = 240
 
@@ -31,8 +31,7 @@ TIMEOUT_S = 240
 def env_for(cache_dir=None) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
   env["JAX_PLATFORMS"] = "cpu"
-  # Compiling is most of a short run: XLA's -O0 compiles several times faster.
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+  env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # (compiling is most of a short run)
   if cache_dir is not None:
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

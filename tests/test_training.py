@@ -60,7 +60,6 @@ TIMEOUT_S = 180
 # something once and runs it for a few steps (never where results are compared
 # bitwise with a run compiled at the default level).
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0"
 # Adam divides by sqrt(v) + eps: with the paper's eps = 1e-9, gradients that are
 # 0 up to rounding (e.g. of the key-projection biases, whose effect softmax
 # cancels, and of some key-kernel directions) become steps of +-lr
@@ -546,7 +545,7 @@ def train_on_devices(workdir, devices: int, overrides) -> dict:
   out = workdir.parent / f"{workdir.name}-{devices}.json"
   run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
                f"--overrides={json.dumps(overrides)}", f"--num_cpu_devices={devices}",
-               f"--out={out}"], subprocess_env(XLA_FLAGS=FAST_COMPILE_FLAGS), TIMEOUT_S)
+               f"--out={out}"], subprocess_env(), TIMEOUT_S)
   return json.loads(out.read_text())
 
 
@@ -621,12 +620,14 @@ def replay_two_shards(workdir, overrides, num_steps):
   return jax.device_get(state["params"]), sums["loss"] / sums["weight"]
 
 
+@pytest.mark.slow  # (25-35 s on 2 cores; two processes train by default in
+# test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step and evaluate
+# in test_two_processes_split_the_eval_loss_and_match_one_process)
 def test_two_processes_match_a_single_process_replay(tmp_path):
   overrides = dict(REF, num_train_steps=4, log_every=4)
   workdir = tmp_path / "workdir"
   port = free_port()
-  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",  # loopback only
-                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")  # loopback only
   outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
   run_together([[sys.executable, str(WORKER), f"--workdir={workdir}",
                  f"--overrides={json.dumps(overrides)}", "--num_processes=2",
@@ -672,8 +673,7 @@ def test_two_processes_split_the_eval_loss_and_match_one_process(tokenizer, tmp_
   they would double), and the loss and NLL sums are one process's up to float
   summation order."""
   port = free_port()
-  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
-                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
   outputs = run_together([[sys.executable, "-c", SPLIT_EVAL_WORKER, str(pid), str(port),
                            tokenizer.model_path, str(REPO / "tests"), json.dumps(SPLIT_EVAL)]
                           for pid in range(2)], env, TIMEOUT_S)
@@ -748,6 +748,8 @@ def test_training_from_prepared_shards_is_training_from_the_text(tmp_path, refer
 
 
 
+@pytest.mark.slow  # (25-30 s on 2 cores; grain worker processes feed batches by default
+# in tests/test_prepared.py::test_worker_processes_pack_each_example_of_the_corpus_once)
 def test_grain_worker_processes_resume_exactly_and_refuse_another_count(tmp_path,
                                                                         compilation_cache):
   """config.data.workers=2: the batches come from two grain worker processes;
@@ -962,8 +964,7 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
   jax.distributed.initialize) catches a SIGTERM sent to process 1 alone and
   has both processes save the same step together, then stop with 143."""
   workdir, port = tmp_path / "workdir", free_port()
-  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",
-                       XLA_FLAGS=FAST_COMPILE_FLAGS)
+  env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
   overrides = {"num_train_steps": 100_000, "log_every": 1}
   outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
   procs = [subprocess.Popen(
