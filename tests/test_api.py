@@ -44,9 +44,10 @@ FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"  # a trained t
 API_EXAMPLE = '''\
 import transformer
 
-# A 30-step smoke run of a tiny model (transformer.demo_config() as it is learns the task).
-config = transformer.demo_config(num_train_steps=30, num_bleu_examples=8,
-                                 log_every=10, eval_every=1000, checkpoint_every=30)
+# A 30-step smoke run of a tiny model, without translating the test split at the end
+# (transformer.demo_config() as it is learns the task, then reports its test BLEU).
+config = transformer.demo_config(num_train_steps=30, num_bleu_examples=8, log_every=10,
+                                 eval_every=1000, checkpoint_every=30, test_report=False)
 config.model.update(d_model=32, num_heads=2, d_ff=64,
                     num_encoder_layers=1, num_decoder_layers=1)
 result = transformer.train(config, "runs/api-example", quiet=True)
@@ -570,8 +571,11 @@ def _toy_pairs(count: int, seed: int) -> list[tuple[str, str]]:
 
 def test_train_from_pairs_in_memory(tmp_path, compilation_cache):
   train_pairs, eval_pairs = _toy_pairs(400, seed=0), _toy_pairs(12, seed=1)
+  # (no test report: it would translate the demo's 500 test sentences with a
+  # 10-step model, to max_len each; tests/test_training.py checks the report)
   config = transformer.demo_config(num_train_steps=10, num_bleu_examples=4, vocab_size=64,
-                                   batch_size=16, eval_every=1000, checkpoint_every=1000)
+                                   batch_size=16, eval_every=1000, checkpoint_every=1000,
+                                   test_report=False)
   config.model.update(d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
                       num_decoder_layers=1)
   workdir = tmp_path / "mine"

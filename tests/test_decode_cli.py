@@ -57,7 +57,7 @@ def workdir(tmp_path_factory):
   path = tmp_path_factory.mktemp("decode_cli") / "run"
   overrides = dict(batch_size=16, num_train_steps=TRAIN_STEPS, warmup_steps=50,
                    num_bleu_examples=0, vocab_size=128, eval_every=10**6, log_every=100,
-                   checkpoint_every=TRAIN_STEPS, average_last=1, **{
+                   checkpoint_every=TRAIN_STEPS, average_last=1, test_report=False, **{
                        "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64,
                        "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
                        "data.demo_num_train": 2000, "data.demo_num_eval": 32,

@@ -79,6 +79,20 @@ def test_a_vocabulary_larger_than_the_model_is_named(workdir):
   assert "more than the model's vocab_size" in one_sentence(error.value, workdir / "vocab.model")
 
 
+@pytest.mark.parametrize("document", ['["a", "list"]', '{"format": 1, "marian_pieces": [1, 2]}',
+                                      '{"marian_pieces": "abc"}'])
+def test_a_hostile_marian_vocabulary_is_one_sentence(workdir, document):
+  """A vocab.model that claims to be an imported model's vocabulary (a JSON
+  object) but whose pieces are not strings, or a JSON list (then no
+  SentencePiece model either)."""
+  path = workdir / "vocab.model"
+  path.write_text(document)
+  with pytest.raises(ValueError) as error:
+    tokenizer_lib.load_tokenizer(str(path))
+  message = one_sentence(error.value, path)
+  assert "not a valid " + ("Marian vocabulary" if document[0] == "{" else "SentencePiece") in message
+
+
 def test_logs_never_write_through_a_planted_link(workdir, tmp_path):
   """train.log and metrics.jsonl in a received workdir, made links to a file
   of this machine: neither is written through (the file is untouched)."""

@@ -122,6 +122,11 @@ class MarianTokenizer:
     where = model_path or "the Marian vocabulary"
     try:
       doc = json.loads(data.decode("utf-8"))
+      if not isinstance(doc, dict):
+        raise ValueError(f"a JSON object is expected, not {type(doc).__name__}")
+      pieces = doc.get("marian_pieces")
+      if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
+        raise ValueError("marian_pieces must be a list of strings")
       if doc.get("format") != FORMAT:
         raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
       return cls(base64.b64decode(doc["source_spm"]), base64.b64decode(doc["target_spm"]),
