@@ -73,7 +73,7 @@ def _child(flags: list[str]) -> None:
   stamps = {}
   import jax  # noqa: F401  (the first import of it, timed)
   stamps["jax imported"] = time.time() - started
-  from transformer.decoding import translator
+  from transformer.decoding import decoders, runner
 
   def timed(owner, name: str, total: str, first: str | None = None):
     original = getattr(owner, name)
@@ -88,8 +88,8 @@ def _child(flags: list[str]) -> None:
         stamps[total] = stamps.get(total, 0.0) + time.time() - started - begin
     setattr(owner, name, wrapper)
 
-  timed(translator.Translator, "_prepare_all", "decoders loaded", first="first load")
-  timed(translator.Translator, "_decode_in_lanes", "decoded")
+  timed(decoders.Decoders, "prepare_all", "decoders loaded", first="first load")
+  timed(runner, "_decode_in_lanes", "decoded")
   exit_now = os._exit
 
   def write_stamps_then_exit(code):  # (decode.py ends its process with os._exit)

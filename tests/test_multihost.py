@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -368,6 +369,7 @@ def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path
   # Both resume from step 20 (disk_a's 30 is removed), then train to 40.
   (disks[1] / "checkpoints" / "30").rename(tmp_path / "step_30_of_b")
   outputs = train_py_processes(disks, dict(SEPARATE, num_train_steps=40), cache)
+  done = {"validation": [], "test": []}  # (per process: how many each did, per evaluation)
   for pid, (disk, output) in enumerate(zip(disks, outputs)):
     assert f"Trained 40 steps into {disk}" in output
     log = read_log(disk, pid)
@@ -375,9 +377,18 @@ def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path
     assert ("Removing checkpoint step 30" in log) == (pid == 0)
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["20", "30", "40"]
     assert [p.name for p in (disk / "checkpoints_averaged").iterdir()] == ["40"]
-    # Evaluation split: 5 validation sentences (2 + 3), 6 test sentences (3 + 3).
-    assert f"Process {pid} of 2: {[2, 3][pid]} of the 5 validation sentences done here." in log
-    assert f"Process {pid} of 2: 3 of the 6 test sentences done here." in log
+    # Evaluation split: each process decodes every second batch of the same
+    # batches (`multihost.split_across_processes`): 5 validation sentences,
+    # 6 test sentences, each decoded by exactly one process.
+    for what, total in (("validation", 5), ("test", 6)):
+      counts = re.findall(rf"Process {pid} of 2: (\d+) of the {total} {what} sentences done here",
+                          log)
+      assert counts, (what, log)
+      done[what].append([int(n) for n in counts])
+  for what, total in (("validation", 5), ("test", 6)):
+    assert len(done[what][0]) == len(done[what][1]), (what, done[what])
+    per_evaluation = zip(*done[what])  # (process 0's count, process 1's) at each one
+    assert all(sum(counts) == total for counts in per_evaluation), (what, done[what])
 
   # Each disk alone decodes: the same (averaged) parameters in both ...
   translators = [loader.load_translator(str(disk)) for disk in disks]
