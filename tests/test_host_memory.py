@@ -19,7 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # own heap can hold (larger blocks glibc maps for such a thread whatever the
 # settings). (XLA frees the buffer just after the result is ready, so a call
 # can still find it not yet freed and take a new block; a pause between calls
-# makes that rare, and the test asks for half the faults or fewer, not none.)
+# makes that rare, and the test asks for half the faults or fewer, not none.
+# The pause is 0.1 s: with 0.02 s, a run of the whole suite, the other worker
+# busy on the second core, once saw all 8 calls of "on" fault their buffer in,
+# XLA's freeing thread not having run in time.)
 # argv[1]: "on" applies keep_freed_memory() (one heap), "per_thread" applies
 # keep_freed_memory(one_heap=False) and makes the calls from a thread of
 # their own (as decode.py's lanes do: that thread allocates from a heap of
@@ -45,7 +48,7 @@ def calls():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     jax.block_until_ready(f(x, w))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    time.sleep(0.02)  # let XLA free the call's buffer before the next call asks
+    time.sleep(0.1)  # let XLA free the call's buffer before the next call asks
 if mode == "per_thread":
   thread = threading.Thread(target=calls)
   thread.start()
