@@ -28,7 +28,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from transformer.data import demo_task, marian_tokenizer  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
 from transformer.data.tokenizer import load_tokenizer  # noqa: E402
-from transformer.interop import marian, marian_formats  # noqa: E402
+from transformer.interop import marian, marian_formats, marian_release  # noqa: E402
 from transformer.model import init_params  # noqa: E402
 from transformer.model.transformer import sinusoidal_positional_encoding  # noqa: E402
 from transformer.runtime import averaging  # noqa: E402
@@ -306,7 +306,7 @@ def test_the_permutation_turns_marians_position_table_into_the_papers():
 
 def test_a_release_scores_and_translates_as_ctranslate2s_marian_converter_reads_it(release):
   directory, weights, pieces, ct2 = release
-  model = marian_formats.read_marian_release(str(directory))
+  model = marian_release.read_marian_release(str(directory))
   assert model.pieces == pieces  # vocab.yml read back, quoted and plain lines alike
   assert (model.config.activation, model.config.normalization) == ("swish", "post")
   _check_scores(model, ct2, pieces)
@@ -319,7 +319,7 @@ def test_a_release_scores_and_translates_as_ctranslate2s_marian_converter_reads_
 def test_other_marian_layouts_score_as_ctranslate2(variant, tmp_path):
   directory, _, pieces = write_release(tmp_path / "release", seed=3, **variant)
   ct2 = ctranslate2.converters.OpusMTConverter(str(directory)).convert(str(tmp_path / "ct2"))
-  model = marian_formats.read_marian_release(str(directory))
+  model = marian_release.read_marian_release(str(directory))
   assert model.config.share_embeddings == variant.get("shared", True)
   _check_scores(model, ct2, pieces)
 
@@ -327,7 +327,7 @@ def test_other_marian_layouts_score_as_ctranslate2(variant, tmp_path):
 def test_the_hugging_face_format_gives_the_same_model(release, tmp_path):
   directory, weights, pieces, ct2 = release
   hf = marian_formats.read_hf_directory(str(write_hf(tmp_path / "hf", weights, pieces, directory)))
-  npz = marian_formats.read_marian_release(str(directory))
+  npz = marian_release.read_marian_release(str(directory))
   assert hf.config == npz.config and hf.pieces == npz.pieces
   # Hugging Face's conversion appends a zero <pad> row: the start Marian-NMT has.
   assert not hf.decoder_start.any() and not npz.decoder_start.any()
@@ -345,7 +345,7 @@ def test_the_import_of_a_trained_model_is_that_model(trained_release):
   Marian-NMT starts the decoder from a zero vector) and the logits bias
   (NEVER on PAD and BOS, else the fixture's none: 0)."""
   directory, _, params = trained_release
-  model = marian_formats.read_marian_release(str(directory))
+  model = marian_release.read_marian_release(str(directory))
   imported = marian.params_from_marian(model.weights, model.config, model.decoder_start)
   embedding = imported["embeddings"]["embedding"]["embedding"]
   fixture_embedding = params["embeddings"]["embedding"]["embedding"]
@@ -424,7 +424,7 @@ def test_import_refusals_name_the_problem(release, tmp_path, monkeypatch):
   hf = write_hf(tmp_path / "hf", weights, pieces, directory)
   (hf / "model.safetensors").rename(hf / "pytorch_model.bin")
   with pytest.raises(ValueError, match="pytorch_model.bin but no model.safetensors.*torch"):
-    marian_formats.read_model(str(hf))
+    marian.read_model(str(hf))
   workdir = marian.import_model(str(directory), str(tmp_path / "w"))
   with pytest.raises(FileExistsError, match="--force"):
     marian.import_model(str(directory), workdir)
@@ -434,13 +434,13 @@ def test_import_refusals_name_the_problem(release, tmp_path, monkeypatch):
   other = tmp_path / "release2"
   write_release(other, activation="gelu")
   with pytest.raises(ValueError, match="activation 'gelu'"):
-    marian_formats.read_model(str(other))
+    marian.read_model(str(other))
   # A hub id goes through huggingface_hub (here a stand-in: no network in tests).
   import huggingface_hub
   hf_ok = write_hf(tmp_path / "hub", weights, pieces, directory)
   monkeypatch.setattr(huggingface_hub, "snapshot_download",
                       lambda repo_id, revision=None, allow_patterns=None: str(hf_ok))
-  model = marian_formats.read_model("Helsinki-NLP/opus-mt-xx-yy")
+  model = marian.read_model("Helsinki-NLP/opus-mt-xx-yy")
   assert model.pieces == pieces
 
 
@@ -710,7 +710,7 @@ def test_a_start_row_cannot_lift_bos_above_never(started):
   stays <= NEVER. The y that makes it largest, built here, reaches the bound
   within float rounding, so the bias is lowered by no more than it must be."""
   hf, _, _, _, _ = started
-  model = marian_formats.read_model(str(hf))
+  model = marian.read_model(str(hf))
   params = marian.params_from_marian(model.weights, model.config, model.decoder_start)
   config = model.config
   row = params["embeddings"]["embedding"]["embedding"][config.bos_id].astype(np.float64)

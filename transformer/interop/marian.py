@@ -72,7 +72,9 @@ import jax
 import numpy as np
 
 from transformer.data import marian_tokenizer
-from transformer.interop.marian_formats import MarianImportError, read_model
+from transformer.interop.marian_formats import (HF_FILES, MarianImportError, MarianModel,
+                                                read_hf_directory)
+from transformer.interop.marian_release import read_marian_release
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import init_params
 from transformer.runtime import averaging, checkpoints
@@ -218,6 +220,41 @@ def _check_tree(params: dict, config: TransformerConfig) -> None:
     if expected.get(name) != got.get(name):
       raise MarianImportError(f"parameter {name}: the model needs {expected.get(name, 'none')}, "
                          f"the import made {got.get(name, 'none')}")
+
+
+def read_model(model: str, *, revision: str | None = None) -> MarianModel:
+  """A Marian model from a local directory (Hugging Face or OPUS-MT release)
+  or, when no such directory exists, a Hugging Face hub id."""
+  if os.path.isdir(model):
+    if os.path.exists(os.path.join(model, "decoder.yml")):
+      return read_marian_release(model)
+    return read_hf_directory(model)
+  if os.path.exists(model):
+    raise MarianImportError(f"{model} is a file: give the directory of a Hugging Face Marian "
+                       "model or of an OPUS-MT release (with decoder.yml)")
+  return read_hf_directory(download(model, revision))
+
+
+def download(repo_id: str, revision: str | None = None) -> str:
+  """The local directory of hub model `repo_id` (huggingface_hub's cache)."""
+  try:
+    import huggingface_hub
+  except ImportError:
+    raise MarianImportError(f"{repo_id} is not a local directory, and downloading it from the "
+                       "Hugging Face hub needs huggingface_hub: pip install "
+                       "'transformer[interop]'") from None
+  path = huggingface_hub.snapshot_download(
+      repo_id, revision=revision,
+      allow_patterns=[*HF_FILES, "target_vocab.json", "tokenizer_config.json"])
+  if not os.path.exists(os.path.join(path, "model.safetensors")):
+    files = huggingface_hub.list_repo_files(repo_id, revision=revision)
+    if "pytorch_model.bin" in files:
+      raise MarianImportError(
+          f"{repo_id} has pytorch_model.bin but no model.safetensors at revision "
+          f"{revision or 'main'}: the .bin file is a torch pickle, which this importer does "
+          "not read. Look for a safetensors conversion among the repository's pull requests "
+          "and pass --revision=refs/pr/<N>")
+  return path
 
 
 def import_model(model: str, workdir: str, *, revision: str | None = None,
