@@ -18,9 +18,8 @@ the same command continues there (and refuses, naming it, another model,
 option or input); the finished file is the one an uninterrupted run writes.
 Several processes (hosts) split each window (--num_processes, ... as train.py).
 
-The workdir is what train.py wrote: model_config.json, vocab.model (or the
-config's vocab_path) and checkpoints/ (and checkpoints_averaged/). By default
-the averaged checkpoint is used if there is one, else the latest.
+The workdir is what train.py wrote; by default its averaged checkpoint is
+used if there is one, else the latest. It is data (docs/security.md).
 
 --plot_attention=DIR writes DIR/<line number>.png for every non-empty input
 line (numbered from 1): its translation's encoder-decoder attention, a
@@ -28,10 +27,10 @@ heat-map panel per decoder layer, heads averaged (transformer/plotting/attention
 
 Progress and a one-line summary (sentences, generated tokens, seconds and how
 many of them compiling, tokens/s of the decoding itself, truncated over-long
-inputs) go to stderr. Exit status: 0 on success,
-2 for a bad flag value or unreadable input, 1 when the workdir cannot be used
-(missing files or checkpoint) or decoding fails; the error is one line on
-stderr that names the flag, file or line at fault and what to do.
+inputs) go to stderr. Exit status: 0 on success, 2 for a bad flag value or
+unreadable input, 1 when the workdir cannot be used (missing files or
+checkpoint) or decoding fails; the error is one line on stderr that names the
+flag, file or line at fault and what to do.
 """
 
 from __future__ import annotations
@@ -42,15 +41,11 @@ import os
 import sys
 
 if __name__ == "__main__":  # (the command's alone: importing this module changes neither)
-  # No garbage collection while the command starts: importing jax and the
-  # rest and restoring the model make objects that live to the end, which
-  # the collector walked again and again (0.09 s of a 2.4 s decode.py of
-  # 1,000 lines). `run` freezes them and turns it back on.
+  # No garbage collection while the command starts (its objects live to the
+  # end; walking them cost 0.09 s of a 2.4 s decode.py): `run` freezes them.
   gc.disable()
-  # numpy's OpenBLAS (imported with jax) starts a thread per core that spins
-  # for a while even when no BLAS call comes, and this command makes none:
-  # 0.1 s of a core taken from loading the decoders (`python -c "import
-  # numpy"`: 0.16-0.18 against 0.06-0.08 s of CPU).
+  # numpy's OpenBLAS starts a spinning thread per core, and this command makes
+  # no BLAS call: 0.1 s of a core taken from loading the decoders.
   os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax
@@ -127,11 +122,9 @@ _WEIGHTS_DTYPE = flags.DEFINE_enum(
     "AVX512-BF16 or AMX, the same BLEU, translations that may differ in a word here and "
     "there. Default: the model's own dtype.")
 _TRUST_COMPILED = flags.DEFINE_bool(
-    "trust_compiled", False, "The workdir is a copy of your own, from a machine of yours: "
-    "seal the compiled decoders it carries (<workdir>/compiled/) with this machine's key and "
-    "load them, so that it starts warm. Without it, only decoders this machine compiled "
-    "are loaded and the others are compiled afresh. Never for a workdir you received from "
-    "someone else: loading a compiled decoder can run code (docs/security.md).")
+    "trust_compiled", False, "A copy of your own workdir: seal its compiled decoders with "
+    "this machine's key and load them (else only this machine's load). Never for a workdir "
+    "from someone else: loading a compiled decoder can run code (docs/security.md).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (or "
     "$JAX_COORDINATOR_ADDRESS). Slurm, Open MPI and Cloud TPU jobs of several processes "

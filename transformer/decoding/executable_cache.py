@@ -119,12 +119,11 @@ def model_directory(model) -> Path | None:
   $TRANSFORMER_WORKDIR_DECODERS=off (the tests' setting: they never write
   into the repository's fixtures), for a workdir that is not a local path, or
   with several processes."""
-  if model is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off":
+  path = None if model is None else os.fspath(getattr(model, "path", model))
+  if (path is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
+      or jax.process_count() > 1 or not workdir_lib.is_local(path)):
     return None
-  local = model.local if hasattr(model, "local") else workdir_lib.is_local(model)
-  if jax.process_count() > 1 or not local:
-    return None
-  return Path(os.fspath(getattr(model, "path", model))) / MODEL_SUBDIRECTORY
+  return Path(path) / MODEL_SUBDIRECTORY
 
 
 def _hash_sources() -> str:

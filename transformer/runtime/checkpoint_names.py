@@ -81,6 +81,6 @@ def listing(workdir: str | os.PathLike) -> Listing:
   if averaged:
     try:
       averaged_up_to = max(averaged_info(workdir)["averaged_steps"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, TypeError):  # (an absurd record; None: removed meanwhile)
       averaged_up_to = averaged[-1]
   return Listing(steps, averaged, averaged_up_to)

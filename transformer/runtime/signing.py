@@ -118,12 +118,13 @@ def unseal(name: str, stored: bytes) -> bytes:
   (a pickle, random bytes, a truncated file), a tag that does not verify
   (another key, another name, changed bytes), or no key here.
   """
-  if not stored.startswith(MAGIC) or len(stored) < len(MAGIC) + TAG_BYTES:
+  parts = _split(stored)
+  if parts is None:
     raise NotSealedHere("not a sealed file")
   key = machine_key()
   if key is None:
     raise NotSealedHere("no signing key on this machine")
-  tag, payload = stored[len(MAGIC):len(MAGIC) + TAG_BYTES], stored[len(MAGIC) + TAG_BYTES:]
+  tag, payload = parts
   if not hmac.compare_digest(tag, _tag(key, name, payload)):
     raise NotSealedHere("sealed under another key, or changed since")
   return payload
@@ -133,9 +134,15 @@ def reseal(name: str, stored: bytes) -> bytes | None:
   """`stored` (a sealed file, under any key) sealed anew with this machine's
   key: what `--trust_compiled` does to a workdir's files. None when
   `stored` is not a sealed file or there is no key."""
+  parts = _split(stored)
+  return None if parts is None else seal(name, parts[1])
+
+
+def _split(stored: bytes) -> tuple[bytes, bytes] | None:
+  """(tag, payload) of a sealed file; None for anything else."""
   if not stored.startswith(MAGIC) or len(stored) < len(MAGIC) + TAG_BYTES:
     return None
-  return seal(name, stored[len(MAGIC) + TAG_BYTES:])
+  return stored[len(MAGIC):len(MAGIC) + TAG_BYTES], stored[len(MAGIC) + TAG_BYTES:]
 
 
 class NotSealedHere(ValueError):

@@ -31,18 +31,13 @@ Which checkpoint: "auto" (the averaged one if there is one, else the latest),
 "averaged" or a step, or an error that says what is missing and what to do.
 
 Read once, through one door: `read` turns a trained workdir into a `Workdir`
-value (its path resolved, its model config, its vocabulary, the checkpoint
-chosen and why, its import record), checking what it reads: a workdir is
-data that anyone may hand over (docs/security.md). The loader, the serving
-copy and fine-tuning's start take that value; the layers below them
-(checkpoint listing, averaging, orbax restore) take its resolved path and
-never resolve or interpret a workdir again.
+value, checking what it reads (a workdir is data: docs/security.md). The
+loader, the serving copy and fine-tuning take that value; the layers below
+(checkpoint listing, averaging, restore) take its resolved path only.
 
 Every file written here is written whole or not at all (`write_file`).
 Workdirs may be local paths or addresses such as gs://bucket/run: files are
-read and written through `etils.epath` (`resolve`: a local path made
-absolute, an object-store address kept as it is, where `os.path.abspath`
-would make it /cwd/gs:/bucket/run), as orbax does;
+read and written through `etils.epath` (`resolve`), as orbax does;
 the lock and the run's log, which need a local file system, are skipped
 elsewhere, with a note.
 
@@ -62,6 +57,7 @@ import dataclasses
 import json
 import logging
 import os
+import posixpath
 import re
 from collections.abc import Callable
 
@@ -134,7 +130,8 @@ def is_local(path: str | os.PathLike) -> bool:
 
 
 def resolve(workdir: str | os.PathLike) -> epath.Path:
-  """`workdir` as an epath.Path: absolute if local, an address unchanged."""
+  """`workdir` as an epath.Path: absolute if local, an address unchanged
+  (`os.path.abspath` would make gs://bucket/run /cwd/gs:/bucket/run)."""
   text = os.fspath(workdir)
   return epath.Path(os.path.abspath(text) if is_local(text) else text)
 
@@ -166,8 +163,7 @@ def _train_hint(workdir: str) -> str:
 def save_configs(workdir: str, config: dict, model_config: TransformerConfig) -> None:
   """Writes config.json (the training config, as a dict) and model_config.json."""
   for name, value in ((CONFIG_FILE, config), (MODEL_CONFIG_FILE, model_config.to_dict())):
-    write_file(os.path.join(workdir, name),
-                         json.dumps(value, indent=2, sort_keys=True))
+    write_file(os.path.join(workdir, name), json.dumps(value, indent=2, sort_keys=True))
 
 
 def load_model_config(workdir: str) -> TransformerConfig:
@@ -196,9 +192,8 @@ def _model_config_path(workdir: str) -> str:
 
 def vocab_path(workdir: str | os.PathLike) -> str:
   """The workdir's vocabulary file (the rule is in the module docstring). A
-  vocab_path in config.json is followed only inside the workdir: a record
-  that names a file elsewhere is refused (a workdir is data: it does not
-  choose which of this machine's files are read).
+  vocab_path in config.json is followed only inside the workdir (a workdir
+  is data: it does not choose which of this machine's files are read).
 
   Raises FileNotFoundError naming what is missing and what to do.
   """
@@ -229,8 +224,8 @@ def vocab_path(workdir: str | os.PathLike) -> str:
 def _inside(workdir: str, path: str) -> bool:
   """Whether `path` (relative paths: to the workdir) lies inside `workdir`,
   links followed; an address (gs://...) only under the workdir's own."""
-  if not is_local(workdir) or not is_local(path):
-    return path.startswith(workdir.rstrip("/") + "/")
+  if not is_local(workdir) or not is_local(path):  # (.. resolved in the address too)
+    return posixpath.normpath(path).startswith(posixpath.normpath(workdir) + "/")
   top = os.path.realpath(workdir)
   return os.path.commonpath([top, os.path.realpath(os.path.join(workdir, path))]) == top
 
@@ -409,11 +404,6 @@ class Workdir:
   checkpoint_note: str | None  # why "auto" chose the latest step over a stale average
   imported: dict | None  # import.json: where an imported model came from
 
-  @property
-  def local(self) -> bool:
-    """Whether it is on a local file system (not gs://...)."""
-    return is_local(self.path)
-
 
 def list_checkpoint(path: epath.Path, checkpoint: str | int
                     ) -> tuple[str | int, str | None]:
@@ -433,8 +423,7 @@ def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
   ("auto", "averaged", "latest", a step; None: none) chosen by
   `choose(path, choice)` (default: listing the checkpoints; the decoding
   loader's keeps what it listed: `serving_params.resolve`), and import.json
-  read if there is one. What it reads is checked as data from a stranger
-  (docs/security.md): a record of the wrong type or an absurd size is one
+  read if there is one. A record of the wrong type or an absurd size is one
   sentence naming the file. Nothing is restored.
 
   Raises:
