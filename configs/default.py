@@ -83,7 +83,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.budget_eval_minutes = 5.0  # "budget": an evaluation every N minutes (not eval_every)
   # "auto" (with train_minutes): config.model's width chosen from this machine's
   # measured speed, the largest that the budget trains for enough steps
-  # (training/run_setup.py, model_for_budget); "": config.model as it is.
+  # (training/budget_model.py); "": config.model as it is.
   config.model_for_budget = ""
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98

@@ -18,11 +18,11 @@ nothing in it tied to the speed of the machine it was tuned on:
   * pre-LN: the paper's post-LN stalled at the unigram level with a short
     warm-up (NLL 6.3 = the targets' unigram entropy for 225 steps); pre-LN
     learns from the first steps, which a 20-minute budget needs.
-  * the model's width by this machine's measured speed (model_for_budget):
-    the FLAX-example size (d_model 256, 4 heads, d_ff 1024, 3 + 3 layers)
-    where the budget affords it ~700 steps by an estimate from the measured
-    matmul peak, else d_model 128 / d_ff 512,
-    which takes ~2.5x the steps on a slow CPU; an 8k unigram SentencePiece
+  * the model's width by this machine's measured speed (model_for_budget,
+    training/budget_model.py): the widest of d_model 512 / 256 (the FLAX
+    example's size: 4 heads, d_ff 1024) / 128 (d_ff 512), 3 + 3 layers,
+    whose training step, timed here, leaves ~700 steps in the budget; a
+    narrow model takes ~2.5x the steps on a slow CPU; an 8k unigram SentencePiece
     vocabulary; batches of 64 rows of 64 tokens (sentences of ~10 tokens are
     packed ~5 to a row).
   * the budget's schedule (lr_schedule="budget"): a warm-up over 5% of the
@@ -53,7 +53,7 @@ def get_config():
   config.learning_rate = 2e-3
   config.warmup_fraction = 0.05
   config.decay_fraction = 0.3
-  config.model_for_budget = "auto"     # d_model 256 or 128, by this machine's speed
+  config.model_for_budget = "auto"     # d_model 512, 256 or 128: timed on this machine
 
   config.log_every = 50
   config.budget_eval_minutes = 5.0    # greedy, on 200 validation pairs

@@ -21,7 +21,9 @@ import train_worker  # noqa: E402  (no JAX import)
 from transformer.runtime import checkpoints, workdir as workdir_lib  # noqa: E402
 from transformer.runtime import checkpoint_names
 from transformer.training import loop as training  # noqa: E402
-from transformer.training import final_model, run_setup, steps as steps_lib  # noqa: E402
+from transformer.training import budget_model, final_model, run_setup  # noqa: E402
+from transformer.training import steps as steps_lib  # noqa: E402
+from transformer.runtime import parallel  # noqa: E402
 from transformer.training import time_budget  # noqa: E402
 
 
@@ -274,37 +276,114 @@ def small_corpus_config(**overrides):
   return config
 
 
-def test_model_for_budget_chooses_the_largest_size_that_reaches_enough_steps(tmp_path):
-  """small_corpus, 20 minutes: a step of d_model 256 is 192.87 GFLOP (64 x 64
-  tokens each side, vocabulary 8000: 3 x (2 x 4096 x (3 x 786,432 + 3 x
-  917,504 + 3 x 131,072 + 256 x 8000) + 64 x 4 x 256 x 9 x 4096)), so 700
-  steps in 0.75 x 1200 s at 0.6 of the peak need a peak of 250.0 GFLOP/s."""
-  assert run_setup.MIN_BUDGET_STEPS == 700 and run_setup.ASSUMED_MFU == 0.6
-  assert run_setup.TRAINING_SHARE == 0.75
+class FakeStepTimes:
+  """`step_seconds` for model_for_budget: seconds a step by d_model, and
+  which widths were timed."""
+
+  def __init__(self, seconds: dict[int, float]):
+    self.seconds, self.timed = seconds, []
+
+  def __call__(self, config, model_config) -> float:
+    assert config.train_minutes and model_config.vocab_size == config.vocab_size
+    self.timed.append((model_config.d_model, model_config.num_heads, model_config.d_ff))
+    return self.seconds[model_config.d_model]
+
+
+def test_model_for_budget_chooses_the_largest_size_whose_timed_steps_reach_enough(tmp_path):
+  """small_corpus, 20 minutes: 0.75 x 1200 = 900 s of training; 700 steps
+  need a step of at most 900 / 700 = 1.2857 s."""
+  assert budget_model.MIN_BUDGET_STEPS == 700 and budget_model.TRAINING_SHARE == 0.75
   config = small_corpus_config(train_minutes=20.0)
-  fast = run_setup.model_for_budget(config, str(tmp_path), peak_flops=251e9)
-  slow = run_setup.model_for_budget(config, str(tmp_path), peak_flops=249e9)
-  assert (fast.model.d_model, fast.model.d_ff) == (256, 1024)
-  assert (slow.model.d_model, slow.model.d_ff) == (128, 512)
+  fast = FakeStepTimes({512: 1.3, 256: 1.28, 128: 0.5})   # 692 and 703 steps
+  chosen = budget_model.model_for_budget(config, str(tmp_path), peak_flops=1e15,
+                                         step_seconds=fast)
+  assert (chosen.model.d_model, chosen.model.num_heads, chosen.model.d_ff) == (256, 4, 1024)
+  assert fast.timed == [(512, 8, 2048), (256, 4, 1024)]   # the chosen one last: not 128
+  slow = FakeStepTimes({512: 5.0, 256: 1.3, 128: 0.5})
+  chosen = budget_model.model_for_budget(config, str(tmp_path), peak_flops=1e15,
+                                         step_seconds=slow)
+  assert (chosen.model.d_model, chosen.model.d_ff) == (128, 512)
+  assert [t[0] for t in slow.timed] == [512, 256]          # the smallest is never timed
+  roomy = FakeStepTimes({512: 1.2, 256: 0.3, 128: 0.1})
+  assert budget_model.model_for_budget(config, str(tmp_path), peak_flops=1e15,
+                                       step_seconds=roomy).model.d_ff == 2048
   assert config.model.d_model == 256  # (the caller's config is left as it was)
   # Twice the budget: twice the steps.
-  longer = run_setup.model_for_budget(small_corpus_config(train_minutes=40.0), str(tmp_path),
-                                      peak_flops=126e9)
+  longer = budget_model.model_for_budget(small_corpus_config(train_minutes=40.0), str(tmp_path),
+                                         peak_flops=1e15, step_seconds=slow)
   assert longer.model.d_model == 256
   # No choice without "auto" or without a budget.
-  assert run_setup.model_for_budget(small_corpus_config(model_for_budget=""), str(tmp_path),
-                                    peak_flops=1.0).model.d_model == 256
+  assert budget_model.model_for_budget(small_corpus_config(model_for_budget=""), str(tmp_path),
+                                       step_seconds=slow).model.d_model == 256
+  assert budget_model.model_for_budget(small_corpus_config(train_minutes=0.0), str(tmp_path),
+                                       step_seconds=slow).model.d_model == 256
+
+
+def test_model_for_budget_does_not_time_a_size_the_peak_cannot_afford(tmp_path):
+  """The step FLOPs by hand (64 x 64 tokens each side, vocabulary 8000,
+  3 + 3 layers): 3 x (2 x 4096 x (3 x enc + 3 x dec + 3 x cross_kv + d x 8000)
+  + 64 x 4 x d x 9 x 4096), where enc = 4d^2 + 2 d d_ff, dec = enc + 2d^2 and
+  cross_kv = 2d^2. d_model 512: 656.32 GFLOP, so 700 steps in 900 s need a
+  peak of 510.5 GFLOP/s; d_model 256: 192.87 GFLOP, 150.0 GFLOP/s."""
+  def step_flops(d, d_ff):
+    enc = 4 * d * d + 2 * d * d_ff
+    return 3 * (2 * 4096 * (3 * enc + 3 * (enc + 2 * d * d) + 3 * 2 * d * d + d * 8000)
+                + 64 * 4 * d * 9 * 4096)
+  assert step_flops(512, 2048) / 1e9 == pytest.approx(656.32, abs=0.01)
+  assert 700 * step_flops(512, 2048) / 900 / 1e9 == pytest.approx(510.5, abs=0.1)
+  assert 700 * step_flops(256, 1024) / 900 / 1e9 == pytest.approx(150.0, abs=0.1)
+  config = small_corpus_config(train_minutes=20.0)
+  for peak, timed in ((511e9, [512, 256]), (510e9, [256]), (151e9, [256]), (149e9, [])):
+    times = FakeStepTimes({512: 9.0, 256: 9.0, 128: 0.1})
+    chosen = budget_model.model_for_budget(config, str(tmp_path), peak_flops=peak,
+                                           step_seconds=times)
+    assert [t[0] for t in times.timed] == timed, peak
+    assert chosen.model.d_model == 128
 
 
 def test_model_for_budget_keeps_the_workdirs_model_on_resume(tmp_path):
   config = small_corpus_config(train_minutes=20.0)
-  slow = run_setup.model_for_budget(config, str(tmp_path), peak_flops=50e9)
+  slow = budget_model.model_for_budget(config, str(tmp_path), peak_flops=1e15,
+                                       step_seconds=FakeStepTimes({512: 9, 256: 9, 128: 1}))
   workdir_lib.save_configs(str(tmp_path), slow.to_dict(),
                            run_setup.model_config_from(slow, 8000))
   # A resumed run on a faster machine keeps the model its checkpoints hold.
-  resumed = run_setup.model_for_budget(config, str(tmp_path), peak_flops=1e15)
+  never = FakeStepTimes({})
+  resumed = budget_model.model_for_budget(config, str(tmp_path), peak_flops=1e15,
+                                          step_seconds=never)
   assert (resumed.model.d_model, resumed.model.d_ff) == (128, 512)
+  assert never.timed == []
   assert not workdir_lib.check_config(str(tmp_path), resumed.to_dict())
+
+
+def test_timing_a_candidate_compiles_the_step_the_loop_then_reads_from_the_cache(
+    compilation_cache):
+  """time_training_step runs the loop's own step (jit_local_train_step, the
+  same state layout and batch shape): the loop's compile of the chosen size
+  is then a hit of the persistent compilation cache, not a second compile."""
+  from transformer.decoding import executable_cache  # (it counts JAX's cache hits)
+  config = small_corpus_config(train_minutes=20.0, vocab_size=64, batch_size=4,
+                               max_length=8)
+  config.model.update(d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
+                      num_decoder_layers=1)
+  model_config = run_setup.model_config_from(config, config.vocab_size)
+  seconds = budget_model.time_training_step(config, model_config)
+  assert 0 < seconds < 60
+  # The loop's own calls (loop._run), with a batch of the loop's shapes.
+  mesh = parallel.make_mesh()
+  optimizer, schedule = steps_lib.make_optimizer(config, model_config.d_model)
+  state, shardings = steps_lib.init_train_state(config, model_config, optimizer, mesh)
+  step_fn = steps_lib.jit_local_train_step(config, model_config, optimizer, schedule, mesh,
+                                           shardings)
+  batch = budget_model._random_batch(config, model_config.vocab_size)
+  assert {k: (v.shape, v.dtype) for k, v in batch.items()} == {
+      k: ((1, 4, 8), np.int32) for k in ("inputs", "targets", "inputs_segment_ids",
+                                         "targets_segment_ids", "inputs_positions",
+                                         "targets_positions")}
+  hits = executable_cache._persistent_cache_hits
+  state, metrics = step_fn(state, batch)
+  assert np.isfinite(float(metrics["loss"]))
+  assert executable_cache._persistent_cache_hits == hits + 1
 
 
 def test_a_test_split_that_cannot_fit_is_skipped_rather_than_overrun():

@@ -37,6 +37,7 @@ from transformer.runtime import (averaging, checkpoints, multihost, parallel, pr
                                  run_lock, run_log)
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import evaluation, final_model, report, run_monitor, run_setup
+from transformer.training import budget_model
 from transformer.training import prepare as prepare_lib
 from transformer.training import steps as steps_lib
 from transformer.training import metrics as metrics_lib
@@ -104,10 +105,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         f" hold only this process's slices. Give all processes a shared --workdir, or use"
         f" --config.state_sharding=replicated.")
   workdir = str(path)
-  config = run_setup.model_for_budget(config, workdir)
   with contextlib.ExitStack() as stack:
     stack.enter_context(run_lock.hold(workdir, shared=shared))
     stack.enter_context(run_log.run_log(workdir))
+    config = budget_model.model_for_budget(config, workdir)  # (timed: in the budget, logged)
     return _run(config, workdir, stack, quiet=quiet, train_pairs=train_pairs,
                 eval_pairs=eval_pairs, started=started, shared=shared)
 

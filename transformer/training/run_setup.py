@@ -189,65 +189,6 @@ def check_train_config(config) -> None:
         f"{jax.device_count()}.")
 
 
-# config.model_for_budget="auto": the model sizes a time budget chooses from,
-# largest first, and how (`model_for_budget`). The largest whose steps the
-# budget affords at this machine's speed reach MIN_BUDGET_STEPS: on a slow
-# machine a smaller model that takes more steps learns more in the same
-# minutes (measured on gettext-en-fr: docs/training.md, "Your own corpus").
-# d_model 256 took 20 minutes to 56.7 test BLEU on an AVX-512 CPU (~285
-# GFLOP/s: ~800 steps by this estimate, 1,492 run); on an AVX2 CPU (~130
-# GFLOP/s: ~370 by the estimate) d_model 128 took them to 47.6, where 256
-# gets about as far as its 10 minutes on the faster CPU (725 steps, 46.5).
-BUDGET_MODELS = (dict(d_model=256, num_heads=4, d_ff=1024),
-                 dict(d_model=128, num_heads=4, d_ff=512))
-MIN_BUDGET_STEPS = 700
-ASSUMED_MFU = 0.6       # of the measured matmul peak, a training step of these sizes
-TRAINING_SHARE = 0.75   # of the budget that trains (the rest: setup, evaluations, the end)
-
-
-def model_for_budget(config, workdir: str, peak_flops: float | None = None):
-  """`config` with config.model's size chosen for its time budget when
-  config.model_for_budget is "auto" (else `config` as it is): the workdir's
-  model when it has one (a resumed run), otherwise the first of
-  BUDGET_MODELS whose steps in TRAINING_SHARE of config.train_minutes, at
-  ASSUMED_MFU of this machine's matmul peak (`flops.peak_flops`, measured),
-  reach MIN_BUDGET_STEPS (the smallest if none does). The choice is logged
-  and recorded with the run's config."""
-  if config.get("model_for_budget", "") != "auto" or not config.get("train_minutes"):
-    return config
-  config = config.copy_and_resolve_references()
-  fields = ("d_model", "num_heads", "d_ff")
-  if epath.Path(workdir, workdir_lib.MODEL_CONFIG_FILE).exists():
-    stored = workdir_lib.load_model_config(workdir)
-    config.model.update({name: getattr(stored, name) for name in fields})
-    return config
-  from transformer.training import flops  # (jax: a config check needs none)
-  if peak_flops is None:
-    peak_flops, _ = flops.peak_flops()
-  seconds = float(config.train_minutes) * 60 * TRAINING_SHARE
-  rows = config.batch_size * config.grad_accum_steps
-  chosen, notes = BUDGET_MODELS[-1], []
-  for size in BUDGET_MODELS:
-    model = model_config_from(config, config.vocab_size).replace(**size)
-    step_flops = flops.training_flops_per_step(model, rows, config.max_length,
-                                               config.max_length)
-    steps = int(seconds * peak_flops * ASSUMED_MFU / step_flops)
-    notes.append(f"{steps} steps of d_model {size['d_model']}")
-    if steps >= MIN_BUDGET_STEPS:
-      chosen = size
-      break
-  # Every process builds the same model: process 0's measurement decides.
-  index = multihost.broadcast_bytes(str(BUDGET_MODELS.index(chosen)).encode()
-                                    if jax.process_index() == 0 else None)
-  chosen = BUDGET_MODELS[int(index.decode())]
-  config.model.update(chosen)
-  logger.info("config.model_for_budget=auto: at this machine's %.0f GFLOP/s, %g minutes afford "
-              "about %s: d_model %d, d_ff %d (at least %d steps; config.json records it).",
-              peak_flops / 1e9, config.train_minutes, ", ".join(notes), chosen["d_model"],
-              chosen["d_ff"], MIN_BUDGET_STEPS)
-  return config
-
-
 def _check_schedule(config) -> None:
   """config.lr_schedule and, for "budget", its fields (ValueError naming them)."""
   from transformer.training.steps import SCHEDULES  # (jax-free callers import this module)
