@@ -110,4 +110,9 @@ def get_config() -> ml_collections.ConfigDict:
   # translations of the final (averaged) model, and curves.png.
   config.test_report = True
   config.test_decode_method = "beam"  # with eval_beam_size (decode.py's default, beam 4)
+  # Beam search's length penalties (alpha) tried at the end on the validation
+  # BLEU pairs: the best is used for the test split and kept in the workdir's
+  # decoding.json as decode.py's default (training/length_choice.py). (): the
+  # paper's 0.6, nothing tried.
+  config.length_penalty_candidates = ()
   return config

@@ -61,4 +61,5 @@ def get_config():
   config.checkpoint_every = 100       # (for a kill; the decay's are saved besides)
   config.keep_checkpoints = 5
   config.average_last = 4             # of the decay: kept only if validation agrees
+  config.length_penalty_candidates = (0.6, 1.0, 1.4)  # beam's alpha, chosen on validation
   return config

@@ -5,6 +5,7 @@ same, and never runs a decoder whose code, model or shape differs."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import subprocess
@@ -258,7 +259,8 @@ def test_training_leaves_the_first_decode_warm(cache_dir, tmp_path, monkeypatch)
   decoders, the parameters' shapes and the logits kernel in
   `<workdir>/compiled/`: the first decode.py of the test sources after it, on
   a machine whose cache is empty (another cache directory), loads every
-  decoder, traces nothing, and writes the report's translations."""
+  decoder, traces nothing, and writes the report's translations (at the
+  length penalty the run chose on validation, its decoding.json)."""
   import train_worker
   from transformer.data import sources
   from transformer.decoding import command
@@ -266,8 +268,13 @@ def test_training_leaves_the_first_decode_warm(cache_dir, tmp_path, monkeypatch)
   monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
   workdir = tmp_path / "run"
   config = train_worker.tiny_config(dict(num_train_steps=20, eval_every=20,
-                                         checkpoint_every=20, test_report=True))
+                                         checkpoint_every=20, test_report=True,
+                                         num_bleu_examples=8,
+                                         length_penalty_candidates=(0.6, 1.0)))
   training.train_and_evaluate(config, str(workdir), quiet=True)
+  # The length penalty chosen on validation: the test's, and decode.py's below.
+  record = json.loads((workdir / "decoding.json").read_text())
+  assert record["length_penalty"] in (0.6, 1.0) and set(record["validation"]) == {"0.6", "1"}
   compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
   assert {p.suffix for p in compiled.iterdir()} == {".bin", ".shapes", ".logits_kernel"}
 

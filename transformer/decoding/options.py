@@ -7,6 +7,9 @@ from transformer.runtime.errors import OptionError
 
 METHODS = ("greedy", "beam", "sample")
 BEAM_STOPS = ("exact", "current")  # beam search's early-exit bounds (beam_search.beam_search)
+# Beam search's alpha where neither the caller nor the workdir's decoding.json
+# (`runtime/workdir_records.py`) gives one: the paper's.
+PAPER_LENGTH_PENALTY = 0.6
 
 # With early exit (`loops.py`), decode steps run between two "is everything
 # finished?" checks. 2: a batch runs at most 1 step past its end, and shrinks
@@ -27,7 +30,8 @@ def rows_per_input(method: str, beam_size: int, n_best: int) -> int:
   return {"beam": beam_size, "sample": n_best}.get(method, 1)
 
 
-def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: float = 0.6,
+def check_options(*, method: str = "beam", beam_size: int = 4,
+                  length_penalty: float | None = PAPER_LENGTH_PENALTY,
                   beam_stop: str = "exact",
                   max_len: int | None = None, min_len: int = 0, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, n_best: int = 1,
@@ -56,7 +60,7 @@ def check_options(*, method: str = "beam", beam_size: int = 4, length_penalty: f
     raise OptionError("top_k", top_k, "must be >= 0 (0 = no top-k filtering)")
   if temperature < 0:
     raise OptionError("temperature", temperature, "must be >= 0 (0 = greedy)")
-  if length_penalty < 0:
+  if length_penalty is not None and length_penalty < 0:  # (None: the workdir's)
     raise OptionError("length_penalty", length_penalty,
                       "must be >= 0 (0 = no length penalty)")
   if max_len is not None and max_len < 1:

@@ -42,7 +42,7 @@ from transformer.data.tokenizer import Tokenizer
 from transformer.decoding import batch_plan, batching, executable_cache, runner
 from transformer.decoding import search as decoding
 from transformer.decoding.decoders import Decoders
-from transformer.decoding.options import check_options
+from transformer.decoding.options import PAPER_LENGTH_PENALTY, check_options
 from transformer.model.config import MATMUL_DTYPES, TransformerConfig
 from transformer.runtime import parallel
 from transformer.runtime.errors import OptionError
@@ -87,8 +87,13 @@ class Translator:
     workdir: the `workdir.Workdir` the model was read from (the loader's),
       or None: its compiled decoders are also kept in, and read from,
       `<workdir>/compiled/`, so that they travel with the model
-      (`executable_cache.model_directory`).
+      (`executable_cache.model_directory`); its decoding.json (a length
+      penalty chosen on validation at the end of training) sets
+      `length_penalty`.
   Batches are sharded over this process's local devices.
+
+  `length_penalty`: beam search's alpha where a call gives none: the
+  workdir's decoding.json, else the paper's PAPER_LENGTH_PENALTY.
 
   `policy` (a `batch_plan.Policy`, its attributes settable): how batches are
   cut, padded and shrunk, by default what was measured to pay on this
@@ -120,6 +125,8 @@ class Translator:
     self.decoders = Decoders(self.config, self.mesh, param_sharding,
                              executable_cache.model_directory(workdir))
     self.overlap = True
+    self.length_penalty = (workdir.decoding if workdir else {}).get("length_penalty",
+                                                                   PAPER_LENGTH_PENALTY)
     self.last_stats: dict[str, float] = {}
     self.set_params(params)
 
@@ -159,7 +166,7 @@ class Translator:
 
   def translate_hypotheses(
       self, sentences: Sequence[str], *, method: str = "beam", beam_size: int = 4,
-      length_penalty: float = 0.6, beam_stop: str = "exact",
+      length_penalty: float | None = None, beam_stop: str = "exact",
       max_len: int | None = None, extra_len: int = 50,
       min_len: int = 0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
       seed: int = 0, n_best: int = 1, batch_size: int = 32, batch_tokens: int = 0,
@@ -171,7 +178,8 @@ class Translator:
     Args:
       sentences: source sentences (one per item; "" translates to "").
       method: "greedy", "beam" or "sample".
-      beam_size, length_penalty: beam search (the paper: 4 and 0.6).
+      beam_size, length_penalty: beam search (the paper: 4 and 0.6; None: the
+        translator's `length_penalty`, the workdir's chosen one if it has one).
       beam_stop: when beam search stops an input: "exact" (once no alive
         hypothesis could beat its n-best at any length it can still reach:
         what searching to max_len gives) or "current" (once none could at
@@ -213,6 +221,8 @@ class Translator:
       `log_prob` the model's log-probability of the tokens, `length` the
       generated tokens counting the EOS. None for the inputs of other shares.
     """
+    if length_penalty is None:
+      length_penalty = self.length_penalty
     check_options(method=method, beam_size=beam_size, length_penalty=length_penalty,
                   beam_stop=beam_stop,
                   max_len=max_len, min_len=min_len, temperature=temperature, top_k=top_k,

@@ -11,6 +11,7 @@ and the notebook read::
     <workdir>/checkpoints/           orbax checkpoints (checkpoint_names.CHECKPOINT_DIR)
     <workdir>/checkpoints_averaged/  the average of the last ones (checkpoint_names.AVERAGED_DIR)
     <workdir>/metrics.jsonl, tensorboard/   metrics (see metrics.py)
+    <workdir>/decoding.json, import.json   small records (workdir_records.py)
     <workdir>/train.lock             held by the run training here (LOCK_FILE)
     <workdir>/train.log              that run's log and the traceback of a fatal
                                      error, appended run after run (LOG_FILE)
@@ -65,7 +66,7 @@ from etils import epath
 
 from transformer.data.text_io import write_atomically
 from transformer.model.config import TransformerConfig
-from transformer.runtime import checkpoint_names
+from transformer.runtime import checkpoint_names, workdir_records
 from transformer.runtime.errors import OptionError
 
 CONFIG_FILE = "config.json"
@@ -73,7 +74,7 @@ MODEL_CONFIG_FILE = "model_config.json"
 VOCAB_FILE = "vocab.model"
 LOCK_FILE = "train.lock"
 LOG_FILE = "train.log"
-IMPORT_FILE = "import.json"
+IMPORT_FILE = workdir_records.IMPORT_FILE
 CHECKPOINT_CHOICES = ("auto", "averaged", "latest")  # or a step number
 
 # The config fields a run may change when it resumes a workdir. None of them
@@ -403,6 +404,7 @@ class Workdir:
   checkpoint: str | int | None  # "averaged" or a step; None where none was asked for
   checkpoint_note: str | None  # why "auto" chose the latest step over a stale average
   imported: dict | None  # import.json: where an imported model came from
+  decoding: dict[str, float] = dataclasses.field(default_factory=dict)  # decoding.json ({}: none)
 
 
 def list_checkpoint(path: epath.Path, checkpoint: str | int
@@ -436,15 +438,7 @@ def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
   model_config = load_model_config(path)
   which, note = (None, None) if checkpoint is None else choose(
       path, checkpoint_choice(checkpoint))
-  imported_file = path / IMPORT_FILE
-  try:
-    imported = json.loads(imported_file.read_text()) if imported_file.exists() else None
-  except ValueError as e:
-    raise ValueError(f"{imported_file} is not valid JSON ({e}); it is written by the "
-                     "importer, do not edit it") from None
-  if imported is not None and not isinstance(imported, dict):
-    raise ValueError(f"{imported_file} is not an import record (a JSON object is expected, "
-                     f"not {type(imported).__name__}); it is written by the importer, do not "
-                     "edit it")
   return Workdir(path=path, model_config=model_config, vocab_path=vocab_path(path),
-                 checkpoint=which, checkpoint_note=note, imported=imported)
+                 checkpoint=which, checkpoint_note=note,
+                 imported=workdir_records.read_import(path),
+                 decoding=workdir_records.read_decoding(path))

@@ -37,7 +37,7 @@ from transformer.runtime import (averaging, checkpoints, multihost, parallel, pr
                                  run_lock, run_log)
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import evaluation, final_model, report, run_monitor, run_setup
-from transformer.training import budget_model
+from transformer.training import budget_model, length_choice
 from transformer.training import prepare as prepare_lib
 from transformer.training import steps as steps_lib
 from transformer.training import metrics as metrics_lib
@@ -183,8 +183,9 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
 
   final_params, eval_summary, final_choice = final_model.choose(
       config, workdir, ckpt, state, step, mesh, evaluate, planner)
-  test_summary = {}
-  if test_pairs and not budget.test_fits():
+  test_summary, fits = {}, budget.test_fits()
+  length_penalty = length_choice.tuned(config, evaluate, final_params, workdir, fits=fits)
+  if test_pairs and not fits:
     logger.warning(
         "The test split's translation (about %.0f s) does not fit in the %.0f s the budget "
         "has left: skipped, so that the run ends within config.train_minutes=%g. Translate it "
@@ -193,7 +194,8 @@ def _run(config, workdir: str, stack: contextlib.ExitStack, *, quiet: bool, trai
   elif test_pairs:
     method = config.get("test_decode_method", "beam")
     test_summary = report.test_report(evaluate.translator(final_params), test_pairs, workdir,
-                                      method=method, beam_size=config.eval_beam_size)
+                                      method=method, beam_size=config.eval_beam_size,
+                                      length_penalty=length_penalty)
     writer.write(step, dict(test_summary, minutes=budget.spent() / 60), prefix="test")
     logger.info(report.format_test(test_summary, method))
   if is_main:
@@ -235,7 +237,9 @@ def _time_budget(config, ckpt: checkpoints.Checkpointer, evaluate: evaluation.Ev
   averaging = config.average_last > 1
   return time_budget_lib.TimeBudget(
       minutes, spent + (time.monotonic() - started),
-      test_tokens=evaluate.reference_tokens(test_pairs) if test_pairs else 0,
+      # (the test's translation, and the length penalties' beam searches before it)
+      test_tokens=(evaluate.reference_tokens(test_pairs) if test_pairs else 0) + len(
+          config.get("length_penalty_candidates", ())) * evaluate.reference_tokens(),
       eval_tokens=evaluate.reference_tokens(),
       test_cost=cost(test_method) / cost(config.eval_decode_method),
       test_compile_cost=time_budget_lib.TEST_COMPILE_COST,

@@ -8,6 +8,7 @@ translations, and a picture of the learning curves, all in the workdir.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -21,8 +22,29 @@ TEST_TRANSLATIONS_FILE = "test_translations.txt"
 CURVES_FILE = "curves.png"
 
 
+@contextlib.contextmanager
+def translating_as_decode_py(translator, workdir: str):
+  """`translator` translating, inside the block, as decode.py translates a
+  file (its policy: `batch_plan.Policy.for_command`), the decoders it
+  compiles kept in `<workdir>/compiled/` (`executable_cache.model_directory`):
+  the first decode.py of the same lengths after training loads them instead
+  of compiling."""
+  policy, kept_in = translator.policy, translator.decoders.model_dir
+  translator.policy = batch_plan.Policy.for_command(translator.platform,
+                                                    translator.decoders.devices)
+  model_dir = executable_cache.model_directory(workdir)
+  translator.decoders.keep_in(model_dir)
+  if model_dir is not None:  # (what decode.py's start reads besides: the parameters' shapes)
+    loader.param_shapes(translator.config, model_dir)
+  try:
+    yield translator
+  finally:
+    translator.policy = policy
+    translator.decoders.keep_in(kept_in)
+
+
 def test_report(translator, pairs, workdir: str, *, method: str = "beam",
-                beam_size: int = 4) -> dict[str, float]:
+                beam_size: int = 4, length_penalty: float | None = None) -> dict[str, float]:
   """Translates the sources of `pairs` with `translator` (a
   `translation.Translator` holding the final, averaged when there is one,
   parameters), writes the translations to TEST_TRANSLATIONS_FILE and returns
@@ -31,29 +53,18 @@ def test_report(translator, pairs, workdir: str, *, method: str = "beam",
   each translates its share of the batches (`multihost.split_across_processes`), and every
   process scores them all and writes them to its workdir.
 
-  The test split is translated as decode.py translates a file (its policy:
-  `batch_plan.Policy.for_command`; its default batch), and the decoders it
-  compiles are kept in `<workdir>/compiled/` (`executable_cache.model_directory`):
-  the first `decode.py --workdir=<workdir>` of these lines, or of lines of
-  the same lengths, after training loads them instead of compiling."""
+  The test split is translated as decode.py translates a file
+  (`translating_as_decode_py`), beam search with `length_penalty` (None:
+  the translator's)."""
   sources = [source for source, _ in pairs]
   references = [target for _, target in pairs]
-  policy, kept_in = translator.policy, translator.decoders.model_dir
-  translator.policy = batch_plan.Policy.for_command(translator.platform,
-                                                    translator.decoders.devices)
-  model_dir = executable_cache.model_directory(workdir)
-  translator.decoders.keep_in(model_dir)
-  if model_dir is not None:  # (what decode.py's start reads besides: the parameters' shapes)
-    loader.param_shapes(translator.config, model_dir)
   start = time.perf_counter()
-  try:
+  with translating_as_decode_py(translator, workdir):
     hypotheses = multihost.split_across_processes(
-        lambda sources, share: translator.translate(sources, method=method,
-                                                    beam_size=beam_size, share=share),
+        lambda sources, share: translator.translate(
+            sources, method=method, beam_size=beam_size, length_penalty=length_penalty,
+            share=share),
         sources, what="test sentences")
-  finally:
-    translator.policy = policy
-    translator.decoders.keep_in(kept_in)
   seconds = time.perf_counter() - start
   path = os.path.join(workdir, TEST_TRANSLATIONS_FILE)
   workdir_lib.write_file(path, "".join(line + "\n" for line in hypotheses))
