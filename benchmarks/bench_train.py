@@ -2,6 +2,8 @@
 
     python benchmarks/bench_train.py                 # S and B, dropout 0.1
     python benchmarks/bench_train.py --shapes S --repeats 10
+    python benchmarks/bench_train.py --shapes S --batch_size 64 --length 64 \
+        --model d_model=128,d_ff=512,dtype=bfloat16   # compute dtype, sizes
 
 One full training step as train.py runs it (Adam, the paper's schedule, label
 smoothing 0.1, dropout 0.1, packed-batch masks), on a fixed random batch with
@@ -72,12 +74,14 @@ def compile_train_step(name, dropout, compiler_options=None, **overrides):
   return compiled, state, data, time.perf_counter() - start
 
 
-def bench_shape(name, dropout, repeats):
+def bench_shape(name, dropout, repeats, **overrides):
   """Times the step, its matmuls alone and the matmul peak in turn, `repeats`
   rounds: each round's MFU divides by the peak measured in that round, so a
-  neighbour that slows the machine slows both (the figures are medians)."""
-  config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout)
-  compiled, state, data, compile_s = compile_train_step(name, dropout)
+  neighbour that slows the machine slows both (the figures are medians).
+  `overrides` replace TransformerConfig fields (e.g. dtype="bfloat16": the
+  compute dtype, float32 parameters and optimizer)."""
+  config, batch, src_len, tgt_len = common.SHAPES[name](dropout_rate=dropout, **overrides)
+  compiled, state, data, compile_s = compile_train_step(name, dropout, **overrides)
   optimizer, schedule = steps_lib.make_optimizer(optimizer_config(), config.d_model)
   matmuls, operands, matmul_flops = common.matmuls_alone(
       lambda s, b: steps_lib.train_step(s, b, model_config=config, optimizer=optimizer,
@@ -116,6 +120,17 @@ def _resized(shape, batch_size: int, length: int):
   return resized
 
 
+def _field(item: str) -> tuple[str, object]:
+  """"d_model=128" -> ("d_model", 128); a value that is no number stays a string."""
+  name, _, value = item.partition("=")
+  for kind in (int, float):
+    try:
+      return name, kind(value)
+    except ValueError:
+      pass
+  return name, value
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--shapes", default="S,B")
@@ -126,6 +141,9 @@ def main():
                       help="split the CPU into this many devices (train.py "
                            "--cpu_devices): data parallel over them. 0: JAX's default (one)")
   parser.add_argument("--batch_size", type=int, default=0, help="rows per step (0: the shape's)")
+  parser.add_argument("--model", default="",
+                      help="TransformerConfig fields replaced, e.g. d_model=128,d_ff=512,"
+                           "dtype=bfloat16 (MFU stays against the float32 peak)")
   parser.add_argument("--length", type=int, default=0,
                       help="source and target tokens per row (0: the shape's, 64)")
   args = parser.parse_args()
@@ -134,10 +152,11 @@ def main():
       common.SHAPES[name] = _resized(shape, args.batch_size, args.length)
   if args.cpu_devices:
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-  rows = [bench_shape(s, args.dropout, args.repeats) for s in args.shapes.split(",")]
+  overrides = dict(_field(item) for item in args.model.split(",") if item)
+  rows = [bench_shape(s, args.dropout, args.repeats, **overrides) for s in args.shapes.split(",")]
   print(f"\n{common.machine_load()}; jax {jax.__version__}, {len(jax.devices())} "
         f"{jax.devices()[0].platform} device(s); "
-        f"medians of {args.repeats} rounds")
+        f"medians of {args.repeats} rounds{'; ' + args.model if args.model else ''}")
   print("\n| shape | dropout | step (s) | target tokens/s | GFLOP/step | GFLOP/s | peak GFLOP/s "
         "| MFU | matmuls alone (s) | their MFU | step / matmuls | compile (s) |")
   print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -4,7 +4,6 @@ workdir's default by `load_translator` and decode.py (runtime/workdir_records.py
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from helpers import hostile_pickle  # noqa: E402
 
 from transformer.runtime import workdir_records  # noqa: E402
 from transformer.runtime import workdir as workdir_lib  # noqa: E402
-from transformer.training import length_choice, report  # noqa: E402
+from transformer.training import length_choice  # noqa: E402
 
 FIXTURE_WORKDIR = Path(__file__).parent / "fixtures" / "workdir_d26a6fb"  # a trained tiny model
 
@@ -47,14 +46,8 @@ class FakeTranslator:
     return [r + " again" for r in refs]
 
 
-@pytest.fixture
-def no_compiled_decoders(monkeypatch):
-  monkeypatch.setattr(report, "translating_as_decode_py",
-                      lambda translator, workdir: contextlib.nullcontext(translator))
-
-
 def test_choose_keeps_the_best_bleu_and_records_every_candidates_scores(
-    tmp_path, no_compiled_decoders):
+    tmp_path):
   pairs = [(str(i), r) for i, r in enumerate(REFERENCES)]
   translator = FakeTranslator()
   best = length_choice.choose(translator, pairs, (0.6, 1.0, 1.4), str(tmp_path), beam_size=3)
@@ -75,7 +68,7 @@ def test_choose_keeps_the_best_bleu_and_records_every_candidates_scores(
   assert workdir_records.read_decoding(tmp_path) == {"length_penalty": 1.0}
 
 
-def test_a_tie_keeps_the_earliest_candidate(tmp_path, no_compiled_decoders):
+def test_a_tie_keeps_the_earliest_candidate(tmp_path):
   pairs = [(str(i), r) for i, r in enumerate(REFERENCES)]
   # 0.9 and 1.0 translate the same (exact): the first listed is kept.
   assert length_choice.choose(FakeTranslator(), pairs, (0.9, 1.0, 0.6), str(tmp_path)) == 0.9

@@ -22,7 +22,6 @@ import os
 from transformer.runtime import multihost, workdir_records
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import metrics as metrics_lib
-from transformer.training import report
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +30,21 @@ def choose(translator, pairs, candidates, workdir: str, *, beam_size: int = 4) -
   """The alpha of `candidates` whose beam search (`beam_size`) translates the
   sources of `pairs` with the best BLEU against their targets (ties: the
   earliest), written with every candidate's scores to the workdir's
-  decoding.json. Translated as decode.py translates (`report.translating_
-  as_decode_py`): the decoders compiled here serve the test split and the
-  first decode.py after training. With several processes each translates its
-  share of the batches; all score them all, so all choose the same."""
+  decoding.json. `translator` is the evaluation's, as it is: its policy
+  compiles one beam decoder for all the pairs (13 s cold for the small-corpus
+  model on 2 cores, where decode.py's policy compiled ~28 s of them); the
+  alphas share it. With several processes each translates its share of the
+  batches; all score them all, so all choose the same."""
   sources = [source for source, _ in pairs]
   references = [target for _, target in pairs]
   scores = {}
-  with report.translating_as_decode_py(translator, workdir):
-    for alpha in candidates:
-      hypotheses = multihost.split_across_processes(
-          lambda sources, share: translator.translate(
-              sources, method="beam", beam_size=beam_size, length_penalty=float(alpha),
-              share=share),
-          sources, what="validation sentences")
-      scores[float(alpha)] = metrics_lib.translation_scores(hypotheses, references)
+  for alpha in candidates:
+    hypotheses = multihost.split_across_processes(
+        lambda sources, share: translator.translate(
+            sources, method="beam", beam_size=beam_size, length_penalty=float(alpha),
+            share=share),
+        sources, what="validation sentences")
+    scores[float(alpha)] = metrics_lib.translation_scores(hypotheses, references)
   best = max(scores, key=lambda alpha: scores[alpha]["bleu"])  # (max keeps the first of ties)
   logger.info("Length penalty: %s on %d validation pairs, beam %d: alpha %g kept (decoding.json:"
               " decode.py's default for this workdir).", "; ".join(

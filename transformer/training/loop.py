@@ -234,15 +234,15 @@ def _time_budget(config, ckpt: checkpoints.Checkpointer, evaluate: evaluation.Ev
     return time_budget_lib.TimeBudget(0.0, spent + (time.monotonic() - started))
   cost = time_budget_lib.decode_cost
   test_method = config.get("test_decode_method", "beam")
-  averaging = config.average_last > 1
+  averaging, tuning = config.average_last > 1, config.get("length_penalty_candidates", ())
   return time_budget_lib.TimeBudget(
       minutes, spent + (time.monotonic() - started),
-      # (the test's translation, and the length penalties' beam searches before it)
-      test_tokens=(evaluate.reference_tokens(test_pairs) if test_pairs else 0) + len(
-          config.get("length_penalty_candidates", ())) * evaluate.reference_tokens(),
+      test_tokens=(evaluate.reference_tokens(test_pairs) if test_pairs else 0)
+      + len(tuning) * evaluate.reference_tokens(),  # (+ the length penalties' searches)
       eval_tokens=evaluate.reference_tokens(),
       test_cost=cost(test_method) / cost(config.eval_decode_method),
-      test_compile_cost=time_budget_lib.TEST_COMPILE_COST,
+      test_compile_cost=(time_budget_lib.TEST_COMPILE_COST if test_pairs else 0)
+      + (time_budget_lib.TUNING_COMPILE_COST if tuning else 0),
       final_evaluations=2 if averaging else 1,
       checkpoints_to_average=config.average_last if averaging else 0)
 

@@ -16,6 +16,9 @@ estimates from what it has measured in this run (`TimeBudget.reserve_seconds`):
   * the test split's translation: its references' tokens at that speed,
     times BEAM_COST for beam search, plus the compilation of its decoders:
     the evaluation's measured compile seconds times TEST_COMPILE_COST;
+  * the length penalties' beam searches (`training/length_choice.py`):
+    the validation references' tokens once per candidate, as the test's,
+    and their decoder's compilation, TUNING_COMPILE_COST evaluations';
   * before anything was measured, a guess: EARLY_RESERVE of the budget.
 
 The budget counts across resumptions: every checkpoint records the seconds
@@ -59,6 +62,11 @@ BEAM_COST = 3.5
 # gettext-en-fr: docs/training.md). Overrunning the budget is worse than
 # ending a few seconds early: 3.
 TEST_COMPILE_COST = 3.0
+# Compile seconds of the length penalty's beam decoder (config.length_penalty_
+# candidates: one decoder for the 200 validation sentences, as the evaluation
+# plans them) / of the evaluation's greedy ones: 13.0 / 7.6 s (1.7) cold on a
+# 2-core AVX-512 CPU; rounded up, as above.
+TUNING_COMPILE_COST = 2.0
 MARGIN_SECONDS = 5.0          # for what is not measured (writing the report, the curves)
 MEASURE_STEPS = 2             # updates timed after the first (compiling) one
 
