@@ -75,7 +75,9 @@ def test_a_tie_keeps_the_earliest_candidate(tmp_path):
   assert length_choice.choose(FakeTranslator(), pairs, (1.0, 0.9), str(tmp_path)) == 1.0
 
 
-def test_without_candidates_or_time_nothing_is_chosen_and_an_old_record_goes(tmp_path):
+def test_without_candidates_or_time_the_configs_alpha_is_used_and_recorded(tmp_path):
+  """No candidates, or no time for them: config.length_penalty, recorded in
+  decoding.json where it is not the paper's 0.6 (an older record removed)."""
   class Evaluate:
     bleu_pairs = [("0", REFERENCES[0])]
 
@@ -83,15 +85,35 @@ def test_without_candidates_or_time_nothing_is_chosen_and_an_old_record_goes(tmp
       raise AssertionError("nothing is translated")
 
   import ml_collections
-  config = ml_collections.ConfigDict({"length_penalty_candidates": (), "eval_beam_size": 4})
+  config = ml_collections.ConfigDict({"length_penalty": 0.6, "length_penalty_candidates": (),
+                                      "eval_beam_size": 4})
   (tmp_path / "decoding.json").write_text('{"length_penalty": 1.4}')
-  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=True) is None
+  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=True) == 0.6
   assert not (tmp_path / "decoding.json").exists()
-  config.length_penalty_candidates = (0.6, 1.0)
-  (tmp_path / "decoding.json").write_text('{"length_penalty": 1.4}')
-  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=False) is None
-  assert not (tmp_path / "decoding.json").exists()
-  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=False) is None
+  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=True) == 0.6
+  config.length_penalty = 1.0
+  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=True) == 1.0
+  assert workdir_records.read_decoding(tmp_path) == {"length_penalty": 1.0}
+  config.length_penalty_candidates = (0.6, 1.4)   # (no time for them: the config's)
+  assert length_choice.tuned(config, Evaluate(), None, str(tmp_path), fits=False) == 1.0
+  assert json.loads((tmp_path / "decoding.json").read_text()) == {
+      "length_penalty": 1.0, "chosen_on": "config.length_penalty"}
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"length_penalty": -0.1}, "config.length_penalty: -0.1 is not a number in"),
+    ({"length_penalty": 5.5}, "config.length_penalty: 5.5 is not a number in"),
+    ({"length_penalty_candidates": (0.6, 9.0)}, "config.length_penalty_candidates: 9.0 is"),
+    ({"length_penalty_candidates": (True,)}, "config.length_penalty_candidates: True is"),
+])
+def test_a_length_penalty_outside_what_decoding_json_holds_is_refused(overrides, named):
+  from transformer.configs import small_corpus
+  from transformer.training import run_setup
+  config = small_corpus.get_config()
+  run_setup.check_train_config(config)
+  config.update(overrides)
+  with pytest.raises(ValueError, match=named):
+    run_setup.check_train_config(config)
 
 
 @pytest.mark.parametrize("content, problem", [

@@ -1,17 +1,21 @@
-"""The length penalty a trained model decodes with, chosen on validation.
+"""The length penalty a trained model decodes with, measured on validation.
 
 Beam search ranks hypotheses by log p / ((5 + length) / 6)^alpha; the paper's
 alpha 0.6 was tuned for WMT models trained for days. A small model trained
-for minutes ends sentences early under beam search: on gettext-en-fr (20
-minutes, two cores) its 1,000 validation translations had a brevity penalty
-of 0.972 greedy and 0.931 with beam 4 at alpha 0.6 (multi-sentence messages
-cut after the first sentence), 0.943 at 1.0 and 1.000 at 1.5 (BLEU 46.92,
-47.17, 46.69). So a run with config.length_penalty_candidates translates
-its validation BLEU pairs with beam search at each candidate after choosing
-its final model, keeps the best BLEU (the earliest candidate on a tie), uses
-it for the test split, and records it in <workdir>/decoding.json, which
-decode.py and `load_translator` take as the workdir's default
-(`workdir_records.read_decoding`).
+for minutes ends sentences early under beam search: on gettext-en-fr's 1,000
+validation pairs (two cores) a 20-minute model's brevity penalty was 0.972
+greedy and 0.931 with beam 4 at alpha 0.6 (multi-sentence messages cut after
+the first sentence). BLEU by alpha (20 minutes / 5 minutes): 0.6 46.92 /
+19.08, 1.0 47.17 / 19.49, 1.2 47.24 / 18.84, 1.4-1.5 46.69 / 12.56 (the
+5-minute model's translations then run 50% long). So the small-corpus
+recipe decodes with config.length_penalty=1.0, near the best at every
+budget measured; config.length_penalty_candidates instead chooses among
+several on the validation BLEU pairs at the end of the run (the best BLEU,
+the earliest on a tie: three beam searches of 200 sentences, 20-35 s on two
+cores, too dear for a 5-minute budget to pay for its 0.4 BLEU). Either way
+the alpha translates the test split and, where it is not the paper's, is
+recorded in <workdir>/decoding.json, which decode.py and `load_translator`
+take as the workdir's default (`workdir_records.read_decoding`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 
+from transformer.decoding.options import PAPER_LENGTH_PENALTY
 from transformer.runtime import multihost, workdir_records
 from transformer.runtime import workdir as workdir_lib
 from transformer.training import metrics as metrics_lib
@@ -59,8 +64,8 @@ def choose(translator, pairs, candidates, workdir: str, *, beam_size: int = 4) -
 
 
 def forget(workdir: str) -> None:
-  """Removes a decoding.json an earlier run of the workdir chose for other
-  parameters (this run chose none: its end had no time, or no candidates)."""
+  """Removes a decoding.json an earlier run of the workdir wrote (this run
+  decodes with the paper's alpha)."""
   path = workdir_lib.resolve(workdir) / workdir_records.DECODING_FILE
   try:
     path.unlink()
@@ -69,14 +74,21 @@ def forget(workdir: str) -> None:
   logger.info("Removed %s: it was chosen for an earlier model of this workdir.", path)
 
 
-def tuned(config, evaluate, params, workdir: str, *, fits: bool) -> float | None:
-  """The end of a training run: `choose` among config.length_penalty_candidates
-  on `evaluate`'s validation BLEU pairs for the final `params`, where there
-  are both and the budget's end `fits`; None (the translator's default)
-  otherwise, an earlier run's decoding.json removed."""
+def tuned(config, evaluate, params, workdir: str, *, fits: bool) -> float:
+  """The end of a training run: the alpha the test split and then decode.py
+  use. `choose`n among config.length_penalty_candidates on `evaluate`'s
+  validation BLEU pairs for the final `params`, where there are both and
+  the budget's end `fits`; else config.length_penalty, which decoding.json
+  records where it is not the paper's (an earlier run's record removed)."""
   candidates = config.get("length_penalty_candidates", ())
-  if not (candidates and evaluate.bleu_pairs and fits):
+  if candidates and evaluate.bleu_pairs and fits:
+    return choose(evaluate.translator(params), evaluate.bleu_pairs, candidates, workdir,
+                  beam_size=config.eval_beam_size)
+  alpha = float(config.get("length_penalty", PAPER_LENGTH_PENALTY))
+  if alpha == PAPER_LENGTH_PENALTY:
     forget(workdir)
-    return None
-  return choose(evaluate.translator(params), evaluate.bleu_pairs, candidates, workdir,
-                beam_size=config.eval_beam_size)
+  else:
+    workdir_lib.write_file(os.path.join(workdir, workdir_records.DECODING_FILE),
+                           workdir_records.decoding_record({"length_penalty": alpha},
+                                                           chosen_on="config.length_penalty"))
+  return alpha

@@ -19,6 +19,7 @@ from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
 from transformer.runtime import multihost, parallel
 from transformer.runtime import workdir as workdir_lib
+from transformer.runtime import workdir_records
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,13 @@ def check_train_config(config) -> None:
     raise ValueError(f"config.train_minutes={config.train_minutes} must be >= 0 "
                      "(0: no time budget).")
   _check_schedule(config)
+  low, high = workdir_records.DECODING_FIELDS["length_penalty"]
+  alphas = [("length_penalty", config.get("length_penalty", 0.6))] + [
+      ("length_penalty_candidates", a) for a in config.get("length_penalty_candidates", ())]
+  for name, alpha in alphas:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not low <= alpha <= high:
+      raise ValueError(f"config.{name}: {alpha!r} is not a number in [{low}, {high}] (beam "
+                       "search's alpha; the paper's 0.6).")
   if config.get("keep_average", "if_no_worse") not in ("if_no_worse", "always"):
     raise ValueError(f"config.keep_average={config.keep_average!r} must be 'if_no_worse' or "
                      "'always'.")
