@@ -40,11 +40,10 @@ from transformer.model.transformer import TransformerConfig
 
 def _shape(vocab_size, d_model, num_heads, d_ff, layers, batch, dropout_rate, overrides,
            length=64):
-  settings = {"dtype": "float32", "param_dtype": "float32", **overrides}
-  config = TransformerConfig(
-      vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
-      num_encoder_layers=layers, num_decoder_layers=layers, dropout_rate=dropout_rate,
-      **settings)
+  fields = dict(vocab_size=vocab_size, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
+                num_encoder_layers=layers, num_decoder_layers=layers,
+                dropout_rate=dropout_rate, dtype="float32", param_dtype="float32")
+  config = TransformerConfig(**{**fields, **overrides})  # (overrides: any field, sizes too)
   return config, batch, length, length
 
 
