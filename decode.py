@@ -77,8 +77,8 @@ _BEAM_STOP = flags.DEFINE_string(
     "at the next step (HuggingFace's rule; faster, may miss a longer hypothesis).")
 _LENGTH_PENALTY = flags.DEFINE_float(
     "length_penalty", None, "Beam search: alpha of the GNMT length penalty ((5 + length) "
-    "/ 6)^alpha (0 = none). Default: the workdir's decoding.json (chosen on validation at the "
-    "end of training, when it tuned one), else the paper's 0.6.")
+    "/ 6)^alpha (0 = none). Default: the one the workdir's training run recorded in its "
+    "decoding.json (e.g. the small-corpus recipe's 1.0), else the paper's 0.6.")
 _MAX_LEN = flags.DEFINE_integer(
     "max_len", None, "Most tokens generated per sentence (EOS included). Default: the "
     "input length + 50, as in the paper (input length rounded up to its bucket).")

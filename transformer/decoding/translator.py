@@ -87,9 +87,8 @@ class Translator:
     workdir: the `workdir.Workdir` the model was read from (the loader's),
       or None: its compiled decoders are also kept in, and read from,
       `<workdir>/compiled/`, so that they travel with the model
-      (`executable_cache.model_directory`); its decoding.json (a length
-      penalty chosen on validation at the end of training) sets
-      `length_penalty`.
+      (`executable_cache.model_directory`); its decoding.json (the length
+      penalty its training run recorded) sets `length_penalty`.
   Batches are sharded over this process's local devices.
 
   `length_penalty`: beam search's alpha where a call gives none: the
@@ -179,7 +178,7 @@ class Translator:
       sentences: source sentences (one per item; "" translates to "").
       method: "greedy", "beam" or "sample".
       beam_size, length_penalty: beam search (the paper: 4 and 0.6; None: the
-        translator's `length_penalty`, the workdir's chosen one if it has one).
+        translator's `length_penalty`: the workdir's, if it recorded one).
       beam_stop: when beam search stops an input: "exact" (once no alive
         hypothesis could beat its n-best at any length it can still reach:
         what searching to max_len gives) or "current" (once none could at

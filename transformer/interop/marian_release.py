@@ -157,7 +157,6 @@ def load_marian_vocab(path: str) -> list[str]:
   return [entries[i] for i in range(len(entries))]
 
 
-
 def _yaml(path: str) -> dict:
   """The YAML mapping in `path` (yaml.safe_load: plain data, no Python objects)."""
   import yaml

@@ -4,11 +4,10 @@ sentence naming the file, never a traceback and never a value used anyway.
 
     <workdir>/import.json     where an imported model came from (IMPORT_FILE;
                               written by `interop.marian`)
-    <workdir>/decoding.json   the decoding settings chosen for this model on
-                              validation (DECODING_FILE; written at the end of
-                              a training run that tunes them,
-                              `training/length_choice.py`): decode.py's and
-                              the API's defaults for this workdir
+    <workdir>/decoding.json   the beam search length penalty its training run
+                              tested it with, where not the paper's
+                              (DECODING_FILE; `training/length_choice.py`):
+                              decode.py's and the API's default for this workdir
 """
 
 from __future__ import annotations

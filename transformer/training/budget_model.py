@@ -31,7 +31,8 @@ from etils import epath
 from transformer.model.config import TransformerConfig
 from transformer.runtime import multihost, parallel
 from transformer.runtime import workdir as workdir_lib
-from transformer.training import run_setup
+from transformer.training import flops, run_setup
+from transformer.training import steps as steps_lib
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,6 @@ def model_for_budget(config, workdir: str, *, peak_flops: float | None = None,
     stored = workdir_lib.load_model_config(workdir)
     config.model.update({name: getattr(stored, name) for name in fields})
     return config
-  from transformer.training import flops  # (jax: a config check needs none)
   if peak_flops is None:
     peak_flops, _ = flops.peak_flops()
   step_seconds = step_seconds or time_training_step
@@ -105,7 +105,6 @@ def time_training_step(config, model_config: TransformerConfig) -> float:
   a batch of random tokens): compiled, then the fastest of TIMED_STEPS.
   Every process must call it together (the step spans them all)."""
   mesh = parallel.make_mesh()
-  from transformer.training import steps as steps_lib
   optimizer, schedule = steps_lib.make_optimizer(config, model_config.d_model)
   state, shardings = steps_lib.init_train_state(config, model_config, optimizer, mesh)
   step_fn = steps_lib.jit_local_train_step(config, model_config, optimizer, schedule, mesh,

@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 
+from etils import epath
+
 from transformer.decoding.options import PAPER_LENGTH_PENALTY
 from transformer.runtime import multihost, workdir_records
 from transformer.runtime import workdir as workdir_lib
@@ -55,18 +57,22 @@ def choose(translator, pairs, candidates, workdir: str, *, beam_size: int = 4) -
               " decode.py's default for this workdir).", "; ".join(
                   f"alpha {a:g}: BLEU {s['bleu']:.2f}, brevity penalty {s['brevity_penalty']:.3f}"
                   for a, s in scores.items()), len(pairs), beam_size, best)
-  record = workdir_records.decoding_record(
-      {"length_penalty": best}, chosen_on=f"{len(pairs)} validation pairs, beam {beam_size}",
-      validation={f"{a:g}": {k: round(s[k], 4) for k in ("bleu", "chrf", "brevity_penalty")}
-                  for a, s in scores.items()})
-  workdir_lib.write_file(os.path.join(workdir, workdir_records.DECODING_FILE), record)
+  _record(workdir, best, chosen_on=f"{len(pairs)} validation pairs, beam {beam_size}",
+          validation={f"{a:g}": {k: round(s[k], 4) for k in ("bleu", "chrf", "brevity_penalty")}
+                      for a, s in scores.items()})
   return best
+
+
+def _record(workdir: str, alpha: float, **measured) -> None:
+  """Writes decoding.json: `alpha`, and what chose it."""
+  workdir_lib.write_file(os.path.join(workdir, workdir_records.DECODING_FILE),
+                         workdir_records.decoding_record({"length_penalty": alpha}, **measured))
 
 
 def forget(workdir: str) -> None:
   """Removes a decoding.json an earlier run of the workdir wrote (this run
   decodes with the paper's alpha)."""
-  path = workdir_lib.resolve(workdir) / workdir_records.DECODING_FILE
+  path = epath.Path(workdir, workdir_records.DECODING_FILE)
   try:
     path.unlink()
   except FileNotFoundError:  # (none; or another process of the run removed it)
@@ -88,7 +94,5 @@ def tuned(config, evaluate, params, workdir: str, *, fits: bool) -> float:
   if alpha == PAPER_LENGTH_PENALTY:
     forget(workdir)
   else:
-    workdir_lib.write_file(os.path.join(workdir, workdir_records.DECODING_FILE),
-                           workdir_records.decoding_record({"length_penalty": alpha},
-                                                           chosen_on="config.length_penalty"))
+    _record(workdir, alpha, chosen_on="config.length_penalty")
   return alpha

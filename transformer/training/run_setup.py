@@ -20,6 +20,7 @@ from transformer.model.config import TransformerConfig
 from transformer.runtime import multihost, parallel
 from transformer.runtime import workdir as workdir_lib
 from transformer.runtime import workdir_records
+from transformer.decoding.options import PAPER_LENGTH_PENALTY
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +175,12 @@ def check_train_config(config) -> None:
                      "(0: no time budget).")
   _check_schedule(config)
   low, high = workdir_records.DECODING_FIELDS["length_penalty"]
-  alphas = [("length_penalty", config.get("length_penalty", 0.6))] + [
+  alphas = [("length_penalty", config.get("length_penalty", PAPER_LENGTH_PENALTY))] + [
       ("length_penalty_candidates", a) for a in config.get("length_penalty_candidates", ())]
   for name, alpha in alphas:
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not low <= alpha <= high:
       raise ValueError(f"config.{name}: {alpha!r} is not a number in [{low}, {high}] (beam "
-                       "search's alpha; the paper's 0.6).")
+                       f"search's alpha; the paper's {PAPER_LENGTH_PENALTY}).")
   if config.get("keep_average", "if_no_worse") not in ("if_no_worse", "always"):
     raise ValueError(f"config.keep_average={config.keep_average!r} must be 'if_no_worse' or "
                      "'always'.")
