@@ -55,7 +55,7 @@ print(result.eval["loss"], result.eval["bleu"])
 
 translator = transformer.load_translator("runs/api-example")
 sentences = ["forty-two red apples", "one small cat"]
-beams = translator.translate(sentences, method="beam")   # beam 4, alpha 0.6 (the paper)
+beams = translator.translate(sentences, method="beam")   # beam 4, the workdir's alpha (0.6)
 samples = translator.translate(sentences, method="sample", top_k=5, seed=1)
 print(beams, samples)
 source, target, weights = translator.cross_attention(sentences[0])
