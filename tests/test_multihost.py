@@ -12,10 +12,13 @@ disk (issue 16, point 5).
     every workdir alone can resume and decode, and the translations and
     scores are those of one process decoding everything;
   * a Slurm job step of two tasks: `python train.py` with no multi-host flags
-    starts JAX's distributed runtime by itself.
+    starts JAX's distributed runtime by itself (to the end of its steps: slow;
+    stopped by a SIGTERM to one task, which both obey at one saved step: the
+    default suite's run of two train.py processes, 13 s on an idle 2-core
+    machine).
 
-The two multi-process tests take about 27 s and 10 s on an idle 2-core
-machine (a cold compilation cache; XLA -O0 in the subprocesses).
+The other runs of two train.py processes are marked slow (`python -m pytest -m
+slow`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import json
 import logging
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -43,7 +49,7 @@ from transformer.runtime import multihost
 from transformer.training import run_setup
 from transformer.runtime import workdir as workdir_lib  # noqa: E402
 from transformer.data import tokenizer as tokenizer_lib  # noqa: E402
-from transformer.runtime import run_lock, run_log
+from transformer.runtime import checkpoint_names, run_lock, run_log
 from transformer.decoding import loader
 
 TIMEOUT_S = 240
@@ -422,16 +428,20 @@ def test_two_processes_with_separate_workdirs_train_resume_and_evaluate(tmp_path
     assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["20", "30", "40"]
 
 
+SLURM_ON_LOCALHOST = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "localhost",
+                      "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "1"}
+
+
+@pytest.mark.slow  # (20-25 s on 2 cores; the default suite's two-process train.py run is
+# test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step below)
 def test_a_slurm_job_step_starts_without_multihost_flags(tmp_path, tmp_path_factory):
   """`srun -n 2 python train.py --workdir=...` on one node: no multi-host
   flags; JAX's Slurm detection (the port from $JAX_COORDINATOR_PORT) finds
   the other process. One shared workdir: orbax writes one checkpoint."""
   cache = tmp_path_factory.getbasetemp() / "jax_compilation_cache"
   workdir = tmp_path / "run"
-  slurm = {"SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2",
-           "SLURM_STEP_NUM_NODES": "1"}
   outputs = train_py_processes([workdir, workdir], dict(num_train_steps=2, checkpoint_every=2),
-                               cache, flags=False, env=slurm)
+                               cache, flags=False, env=SLURM_ON_LOCALHOST)
   for output in outputs:
     assert "A slurm job of 2 processes: starting JAX's distributed runtime" in output
     assert f"Trained 2 steps into {workdir}" in output
@@ -441,3 +451,50 @@ def test_a_slurm_job_step_starts_without_multihost_flags(tmp_path, tmp_path_fact
   assert meta["process_count"] == 2
   assert "Every process has a workdir of its own" not in read_log(workdir, 0)
 
+
+
+def test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step(tmp_path):
+  """The default suite's one run of two `python train.py` processes (what
+  the slow test above and tests/test_training.py's
+  test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step check,
+  read off one run): a Slurm job step of two tasks, no multi-host flags,
+  starts JAX's distributed runtime by itself; a SIGTERM sent to task 1 alone
+  (Slurm's notice before it ends a job) reaches both through JAX's
+  preemption service: they save the same step together into the one shared
+  workdir (a data position per process) and exit with 143."""
+  workdir, port = tmp_path / "run", free_port()
+  env = subprocess_env(tmp_path / "cache", JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
+  commands = [[sys.executable, "train.py", "--config=configs/default.py", "--quiet",
+               f"--workdir={workdir}", *tiny_flags(dict(num_train_steps=100_000, log_every=1))]
+              for _ in range(2)]
+  procs = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=dict(env, **SLURM_ON_LOCALHOST, SLURM_PROCID=str(pid),
+                                                SLURM_LOCALID=str(pid),
+                                                JAX_COORDINATOR_PORT=str(port)))
+           for pid, command in enumerate(commands)]
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
+      assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+      assert time.monotonic() < deadline, "the tasks did not start training"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert [p.returncode for p in procs] == [143, 143], [out[-3000:] for out in outputs]
+  (saved,) = checkpoint_names.checkpoint_steps(workdir)
+  for output in outputs:
+    assert "A slurm job of 2 processes: starting JAX's distributed runtime" in output, output
+    assert (f"preempted (a preemption notice) at step {saved}: saved checkpoint {saved} in "
+            in output), output[-3000:]
+  assert sorted(p.name for p in (workdir / "checkpoints" / str(saved) / "data_state").glob(
+      "*.json")) == ["process_0-of-2.json", "process_1-of-2.json"]
+  meta = json.loads((workdir / "checkpoints" / str(saved) / "meta" / "metadata").read_text())
+  assert meta["process_count"] == 2
+  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, saved + 1))
+  assert "Every process has a workdir of its own" not in read_log(workdir, 0)

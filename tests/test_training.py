@@ -621,8 +621,8 @@ def replay_two_shards(workdir, overrides, num_steps):
 
 
 @pytest.mark.slow  # (25-35 s on 2 cores; two processes train by default in
-# test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step and evaluate
-# in test_two_processes_split_the_eval_loss_and_match_one_process)
+# test_multihost.py::test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step
+# and evaluate in test_two_processes_split_the_eval_loss_and_match_one_process)
 def test_two_processes_match_a_single_process_replay(tmp_path):
   overrides = dict(REF, num_train_steps=4, log_every=4)
   workdir = tmp_path / "workdir"
@@ -959,6 +959,9 @@ def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compi
   assert [r["loss"] for r in evals] == [reference.eval["loss"]]
 
 
+@pytest.mark.slow  # (20-25 s on 2 cores; the default suite reads the same off two
+# `python train.py` tasks of a Slurm job step: tests/test_multihost.py::
+# test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step)
 def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
   """Several processes: JAX's preemption service (started by
   jax.distributed.initialize) catches a SIGTERM sent to process 1 alone and
