@@ -13,8 +13,10 @@ import hmac
 import os
 import pickle
 import shlex
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,33 @@ def run_together(commands, env, timeout: float, *, check: bool = True) -> list:
   for p, output in zip(procs, outputs):
     assert p.returncode == 0, f"{p.args} failed:\n{output[-5000:]}"
   return outputs
+
+
+def sigterm_one_once_training(commands, envs, workdir: Path, index: int,
+                               timeout: float) -> tuple[list[int], list[str]]:
+  """Starts `commands` at once in the repository (one process each, with
+  `envs`), waits until the run logs a step into `workdir`/metrics.jsonl,
+  sends SIGTERM to process `index` alone and returns every process's (exit
+  status, output) as two lists. Fails the test if a process ends first or
+  nothing is logged within `timeout`; no process is left behind."""
+  procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+           for cmd, env in zip(commands, envs)]
+  metrics = Path(workdir) / "metrics.jsonl"
+  try:
+    deadline = time.monotonic() + timeout
+    while not metrics.exists() or not metrics.read_text():
+      assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
+      assert time.monotonic() < deadline, "the processes did not start training"
+      time.sleep(0.05)
+    procs[index].send_signal(signal.SIGTERM)
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  return [p.returncode for p in procs], outputs
 
 
 @contextlib.contextmanager

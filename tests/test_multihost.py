@@ -27,10 +27,7 @@ import json
 import logging
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -41,7 +38,8 @@ from etils.epath import testing as epath_testing
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
-from helpers import free_port, run_together, subprocess_env  # noqa: E402
+from helpers import (free_port, run_together, sigterm_one_once_training,  # noqa: E402
+                     subprocess_env)
 
 from transformer.data import sources as data_sources
 from transformer.training import metrics
@@ -467,25 +465,10 @@ def test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step(tmp_p
   commands = [[sys.executable, "train.py", "--config=configs/default.py", "--quiet",
                f"--workdir={workdir}", *tiny_flags(dict(num_train_steps=100_000, log_every=1))]
               for _ in range(2)]
-  procs = [subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=dict(env, **SLURM_ON_LOCALHOST, SLURM_PROCID=str(pid),
-                                                SLURM_LOCALID=str(pid),
-                                                JAX_COORDINATOR_PORT=str(port)))
-           for pid, command in enumerate(commands)]
-  try:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
-      assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
-      assert time.monotonic() < deadline, "the tasks did not start training"
-      time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)
-    outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  assert [p.returncode for p in procs] == [143, 143], [out[-3000:] for out in outputs]
+  envs = [dict(env, **SLURM_ON_LOCALHOST, SLURM_PROCID=str(pid), SLURM_LOCALID=str(pid),
+               JAX_COORDINATOR_PORT=str(port)) for pid in range(2)]
+  statuses, outputs = sigterm_one_once_training(commands, envs, workdir, 1, TIMEOUT_S)
+  assert statuses == [143, 143], [out[-3000:] for out in outputs]
   (saved,) = checkpoint_names.checkpoint_steps(workdir)
   for output in outputs:
     assert "A slurm job of 2 processes: starting JAX's distributed runtime" in output, output

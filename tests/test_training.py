@@ -38,7 +38,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
-from helpers import free_port, run_checked, run_together, subprocess_env  # noqa: E402
+from helpers import (free_port, run_checked, run_together,  # noqa: E402
+                     sigterm_one_once_training, subprocess_env)
 
 from transformer.runtime import averaging
 from transformer.runtime import checkpoints
@@ -970,25 +971,11 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_one_saved_step(tmp_path):
   env = subprocess_env(JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
   overrides = {"num_train_steps": 100_000, "log_every": 1}
   outs = [tmp_path / f"result_{pid}.json" for pid in range(2)]
-  procs = [subprocess.Popen(
-      [sys.executable, str(WORKER), f"--workdir={workdir}", f"--overrides={json.dumps(overrides)}",
-       "--num_processes=2", f"--process_id={pid}", f"--port={port}", "--num_cpu_devices=1",
-       f"--out={outs[pid]}"], env=env, cwd=REPO, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT, text=True) for pid in range(2)]
-  try:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
-      assert all(p.poll() is None for p in procs), [p.communicate()[0][-3000:] for p in procs]
-      assert time.monotonic() < deadline, "the processes did not start training"
-      time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)
-    logs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  assert [p.returncode for p in procs] == [143, 143], [log[-3000:] for log in logs]
+  commands = [[sys.executable, str(WORKER), f"--workdir={workdir}",
+               f"--overrides={json.dumps(overrides)}", "--num_processes=2", f"--process_id={pid}",
+               f"--port={port}", "--num_cpu_devices=1", f"--out={outs[pid]}"] for pid in range(2)]
+  statuses, logs = sigterm_one_once_training(commands, [env] * 2, workdir, 1, TIMEOUT_S)
+  assert statuses == [143, 143], [log[-3000:] for log in logs]
   results = [json.loads(o.read_text()) for o in outs]
   (saved,) = checkpoint_names.checkpoint_steps(workdir)
   assert results == [{"preempted_at": saved, "reason": "a preemption notice"}] * 2
