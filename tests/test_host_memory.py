@@ -11,16 +11,23 @@ from transformer.runtime import host_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A computation with a 40 MB temporary buffer ((x * 2)^T, materialised for the
-# matrix product), called 12 times to settle, then 8 times more; prints the
-# minor page faults of each of the last 8 calls. 40 MB is above the largest
-# block glibc ever serves from its heaps by default (32 MB), so without the
-# settings every call maps the buffer afresh, and below the 64 MB a thread's
-# own heap can hold (larger blocks glibc maps for such a thread whatever the
-# settings). (XLA frees the buffer just after the result is ready, so a call
-# can still find it not yet freed and take a new block; a pause between calls
-# makes that rare, and the test asks for half the faults or fewer, not none.
-# The pause is 0.1 s: with 0.02 s, a run of the whole suite, the other worker
+# A computation with a 40 MB temporary buffer (sin(a b^T), made from inputs of
+# a few KB and materialised for the matrix product), called 12 times to settle,
+# then 8 times more; prints the minor page faults of each of the last 8 calls.
+# 40 MB is above the largest block glibc ever serves from its heaps by default
+# (32 MB), so without the settings every call maps the buffer afresh, and
+# below the 64 MB a thread's own heap can hold. The inputs are small so that
+# the temporary is the only large block in whichever heap it comes from: a
+# thread's heap that already holds 40 MB cannot take it, and glibc serves it
+# from a second heap that it unmaps as soon as it is empty
+# (`test_a_thread_s_heap_keeps_a_freed_block_only_where_it_fits`). The probe
+# once made a 40 MB input instead (x * 2 for x of 2560 x 4096): in about 1
+# run of 30 with the other core busy, the XLA worker thread that had made x
+# also ran the calls, and all 8 of "per_thread" mapped their buffer afresh.
+# (XLA frees the buffer just after the result is ready, so a call can still
+# find it not yet freed and take a new block; a pause between calls makes
+# that rare, and the test asks for half the faults or fewer, not none. The
+# pause is 0.1 s: with 0.02 s, a run of the whole suite, the other worker
 # busy on the second core, once saw all 8 calls of "on" fault their buffer in,
 # XLA's freeing thread not having run in time.)
 # argv[1]: "on" applies keep_freed_memory() (one heap), "per_thread" applies
@@ -29,9 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # its own), "off" leaves glibc's defaults; "main_thread" applies
 # keep_freed_memory(one_heap=False) and calls from the main thread, and
 # "calling_thread" the same with run_computations_on_calling_threads() too
-# (decode.py). argv[2]: the buffer's rows (2560: 40 MB; 48 MB left a
-# thread's 64 MB heap too little room beside what else it held in one CI
-# run, where every call of the thread mapped its buffer afresh).
+# (decode.py). argv[2]: the buffer's rows of 16 KB (2560: 40 MB).
 _PROBE = """
 import resource, sys, threading, time
 from transformer.runtime import host_memory
@@ -40,13 +45,13 @@ applied = host_memory.keep_freed_memory(one_heap=mode == "on") if mode != "off" 
 if mode == "calling_thread":
   applied = applied and host_memory.run_computations_on_calling_threads()
 import jax, jax.numpy as jnp
-f = jax.jit(lambda x, w: jnp.sum((x * 2.0).T @ w))
+f = jax.jit(lambda a, b, w: jnp.sum(jnp.sin(a[:, None] * b[None, :]).T @ w))
 faults = []
 def calls():
-  x, w = jnp.ones((rows, 4096), jnp.float32), jnp.ones((rows, 64), jnp.float32)
+  a, b, w = jnp.ones((rows,)), jnp.ones((4096,)), jnp.ones((rows, 64))
   for call in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    jax.block_until_ready(f(x, w))
+    jax.block_until_ready(f(a, b, w))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     time.sleep(0.1)  # let XLA free the call's buffer before the next call asks
 if mode == "per_thread":
@@ -82,6 +87,57 @@ def test_keep_freed_memory_stops_per_call_page_faults():
   applied, faults_per_thread = _faults("per_thread")
   assert applied
   assert sum(faults_per_thread) <= sum(faults_off) // 2, (faults_per_thread, faults_off)
+
+
+# With keep_freed_memory(one_heap=False), a thread of its own takes a 40 MB
+# block from glibc, writes it and frees it, 4 times; prints the minor page
+# faults of each. argv[1]: "alone", or "beside_40_mb": the thread first takes
+# (and holds) another 40 MB block from its heap.
+_HEAP_PROBE = """
+import ctypes, ctypes.util, resource, sys, threading
+from transformer.runtime import host_memory
+assert host_memory.keep_freed_memory(one_heap=False)
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+size, faults = 40 << 20, []
+def calls():
+  if sys.argv[1] == "beside_40_mb":
+    ctypes.memset(libc.malloc(size), 1, size)
+  for call in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(size)
+    ctypes.memset(block, 2, size)
+    libc.free(block)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+thread = threading.Thread(target=calls)
+thread.start()
+thread.join()
+print(*faults)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_a_thread_s_heap_keeps_a_freed_block_only_where_it_fits():
+  """The limit of keep_freed_memory(one_heap=False) (host_memory's
+  docstring): a thread's heap holds at most 64 MB, and a block that does not
+  fit beside what it holds comes from a second heap, which glibc unmaps as
+  soon as it is empty (glibc's arena.c, heap_trim: whatever the trim
+  threshold). So a freed 40 MB block is kept where it is alone, and mapped
+  afresh every time beside another 40 MB."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  pages = 40 * 1024 * 1024 // 4096
+
+  def faults(mode):
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True)
+    return [int(n) for n in out.stdout.split()]
+
+  alone = faults("alone")
+  assert alone[0] >= pages * 9 // 10 and sum(alone[1:]) <= pages // 10, alone
+  beside = faults("beside_40_mb")
+  assert all(n >= pages * 9 // 10 for n in beside), beside
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
