@@ -560,6 +560,8 @@ def assert_like_the_reference_at_step_8(workdir, ref_dir):
     np.testing.assert_allclose(run[5][key], one[5][key], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.slow  # (~17 s: data parallelism on several devices stays in the default
+# suite: the FSDP test below trains on 8 devices and resumes replicated on 2)
 def test_eight_devices_match_one_device(tmp_path, reference_run, compilation_cache):
   """Same config, same data: the step-8 checkpoint of an 8-device run equals the
   1-device reference's step-8 checkpoint, and so do the logged losses."""
