@@ -875,14 +875,16 @@ def train_losses(workdir) -> dict[int, tuple]:
   return losses
 
 
-def test_a_preemption_notice_saves_stops_and_resumes_exactly(tmp_path, reference_run,
-                                                             compilation_cache, monkeypatch):
+def test_a_preemption_notice_or_a_sigterm_saves_stops_and_resumes_exactly(
+    tmp_path, reference_run, compilation_cache, monkeypatch):
   """The notice that JAX's preemption service gives every process of a
   multi-host run at the same step (faked at step 10, through the public
   multihost_utils.reached_preemption_sync_point that orbax reads too): the
-  run saves step 10 and stops there; run again, it ends with the
-  uninterrupted reference's state, data position, averaged parameters,
-  losses and evaluation, bit for bit."""
+  run saves step 10 and stops there. Run again, a real SIGTERM sent to this
+  process after step 15 (one process: `PreemptionWatch`'s handler, installed
+  for the run and put back after it): it saves step 15 and stops there. Run
+  a third time, it ends with the uninterrupted reference's state, data
+  position, averaged parameters, losses and evaluation, bit for bit."""
   from jax.experimental import multihost_utils
   from transformer.runtime import preemption
   ref_dir, ref_result = reference_run
@@ -903,6 +905,27 @@ def test_a_preemption_notice_saves_stops_and_resumes_exactly(tmp_path, reference
   assert not (tmp_path / "checkpoints_averaged").exists()        # stopped before the end
   monkeypatch.undo()
 
+  # A SIGTERM once step 15 is done (a logging step: the windows stay the
+  # reference's), read by the watch when the loop asks about step 15.
+  handler = signal.getsignal(signal.SIGTERM)
+  reached = preemption.PreemptionWatch.reached
+
+  def sigterm_after_15(watch, step):
+    if step == 15:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return reached(watch, step)
+
+  monkeypatch.setattr(preemption.PreemptionWatch, "reached", sigterm_after_15)
+  with pytest.raises(preemption.Preempted) as stopped:
+    train(tmp_path, REF)
+  monkeypatch.undo()
+  assert str(stopped.value) == (
+      f"preempted (SIGTERM) at step 15: saved checkpoint 15 in "
+      f"{tmp_path}/checkpoints; run the same command again to resume from it")
+  assert checkpoint_names.checkpoint_steps(tmp_path) == [8, 10, 15]
+  assert "run stopped: preempted (SIGTERM)" in (tmp_path / workdir_lib.LOG_FILE).read_text()
+  assert signal.getsignal(signal.SIGTERM) is handler             # put back
+
   resumed = train(tmp_path, REF)
   assert resumed.step == REF_STEPS
   state, data_state = load_state(tmp_path, REF)
@@ -910,11 +933,16 @@ def test_a_preemption_notice_saves_stops_and_resumes_exactly(tmp_path, reference
   assert_trees_equal(state, ref_state)     # params, Adam moments, count, RNG: bitwise
   assert data_state == ref_data_state
   assert_trees_equal(load_params(tmp_path, "averaged"), load_params(ref_dir, "averaged"))
-  assert train_losses(tmp_path) == train_losses(ref_dir)        # steps 5, 10 | 15, 20, 24
+  assert train_losses(tmp_path) == train_losses(ref_dir)        # steps 5, 10 | 15 | 20, 24
   assert list(train_losses(tmp_path)) == [5, 10, 15, 20, 24]
   assert resumed.eval == ref_result.eval
 
 
+@pytest.mark.slow  # (~22 s on 2 cores: two train.py runs. The default suite sends a
+# real SIGTERM to a run in its own process, which saves, stops and resumes bit for
+# bit (test_a_preemption_notice_or_a_sigterm_saves_stops_and_resumes_exactly), and
+# reads train.py's exit status 143 and its message off two train.py tasks:
+# tests/test_multihost.py::test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step)
 def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compilation_cache):
   """A real SIGTERM, sent to `python train.py` once it trains: it saves the
   step it is at, says so and exits with 128 + SIGTERM; the same command
