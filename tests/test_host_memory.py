@@ -56,12 +56,18 @@ print(applied, *faults[12:])
 """
 
 
-def _faults(mode: str, rows: int = 2560) -> tuple[bool, list[int]]:
+def _run_probe(script: str, *args: str) -> str:
+  """The last line `script` prints, run as a process of its own (glibc's
+  settings apply to a whole process), on the CPU, at XLA's default flags."""
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-c", _PROBE, mode, str(rows)], env=env, cwd=ROOT,
+  out = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=120, check=True)
-  applied, *faults = out.stdout.split("\n")[-2].split()
+  return out.stdout.strip().splitlines()[-1]
+
+
+def _faults(mode: str, rows: int = 2560) -> tuple[bool, list[int]]:
+  applied, *faults = _run_probe(_PROBE, mode, str(rows)).split()
   return applied == "True", [int(n) for n in faults]
 
 
@@ -122,13 +128,10 @@ def test_a_thread_s_heap_keeps_a_freed_block_only_while_it_fits():
   heap_trim, whatever the trim threshold): beside another 40 MB block, or
   once a small block has been cut from the freed one, every later 40 MB
   block is mapped afresh."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   pages = 40 * 1024 * 1024 // 4096
 
   def faults(mode):
-    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE, mode], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60, check=True)
-    return [int(n) for n in out.stdout.split()]
+    return [int(n) for n in _run_probe(_HEAP_PROBE, mode).split()]
 
   alone = faults("alone")
   assert alone[0] >= pages * 9 // 10 and sum(alone[1:]) <= pages // 10, alone
@@ -218,10 +221,7 @@ print("kept" if libc.sbrk(0) == end else "trimmed")
 
 
 def _trim(mode: str) -> str:
-  env = dict(os.environ, PYTHONPATH=ROOT)
-  out = subprocess.run([sys.executable, "-c", _TRIM_PROBE, mode], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=60, check=True)
-  return out.stdout.split()[-1]
+  return _run_probe(_TRIM_PROBE, mode)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")

@@ -450,7 +450,6 @@ def test_a_slurm_job_step_starts_without_multihost_flags(tmp_path, tmp_path_fact
   assert "Every process has a workdir of its own" not in read_log(workdir, 0)
 
 
-
 def test_a_slurm_job_step_sigterm_to_one_task_stops_both_at_one_saved_step(tmp_path):
   """The default suite's one run of two `python train.py` processes (what
   the slow test above and tests/test_training.py's

@@ -956,23 +956,12 @@ def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compi
     return [sys.executable, "train.py", f"--workdir={workdir}", "--quiet",
             *[f"--config.{k}={v}" for k, v in values.items()]]
 
-  proc = subprocess.Popen(command(100_000), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
-  try:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (workdir / "metrics.jsonl").exists() or not read_metrics(workdir):
-      assert proc.poll() is None, proc.communicate()
-      assert time.monotonic() < deadline, "train.py did not start training"
-      time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)                     # training: step 1 is logged
-    out, err = proc.communicate(timeout=TIMEOUT_S)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  assert proc.returncode == 143, err[-3000:]
+  # (SIGTERM once training: step 1 is logged)
+  (status,), (output,) = sigterm_one_once_training([command(100_000)], [env], workdir, 0,
+                                                   TIMEOUT_S)
+  assert status == 143, output[-3000:]
   (saved,) = checkpoint_names.checkpoint_steps(workdir)
-  assert f"preempted (SIGTERM) at step {saved}: saved checkpoint {saved} in " in err
+  assert f"preempted (SIGTERM) at step {saved}: saved checkpoint {saved} in " in output
   assert list(train_losses(workdir)) == list(range(1, saved + 1))  # logged up to the save
   assert "run stopped: preempted (SIGTERM)" in (workdir / "train.log").read_text()
 
