@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -15,6 +16,14 @@ import tempfile
 # 1.70-1.81 s, 2-core CPU); nothing a test checks depends on it.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# Python's cyclic garbage collector at its default threshold (a young
+# collection every 700 new objects) ran ~2,800 times in test_api.py alone,
+# mostly through the objects JAX's tracing makes, 4.3 s of its 119 s (gc
+# callbacks, 2-core CPU); every 20,000: ~400 times, 0.8 s. Only when
+# unreachable cycles are freed changes; no test depends on it (decode.py's own
+# settings are checked in its subprocesses, tests/test_decode_cli.py).
+gc.set_threshold(20_000, *gc.get_threshold()[1:])
 
 from helpers import CACHE_SETTINGS, FAST_COMPILE_FLAGS  # noqa: E402
 
