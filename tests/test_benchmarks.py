@@ -138,6 +138,26 @@ def test_rated_peaks_by_device_kind():
   assert flops.rated_peak(Device("cpu", "cpu")) is None
 
 
+
+def test_a_cpu_peak_is_measured_once_per_process(monkeypatch):
+  """MFU's CPU peak is a 2048^3 float32 matmul timed by the first run of a
+  process; later runs of the same process divide by it too."""
+  from transformer.training import flops
+  sizes = []
+
+  def rate(n=2048, repeats=2, dtype=jnp.float32):
+    sizes.append(n)
+    return 1e11 + len(sizes)  # (a different figure at every measurement)
+
+  monkeypatch.setattr(flops, "matmul_rate", rate)
+  flops.peak_flops.cache_clear()
+  try:
+    first, again = flops.peak_flops(), flops.peak_flops()
+  finally:
+    flops.peak_flops.cache_clear()  # (the next run measures the real one)
+  assert sizes == [2048]
+  assert first == again == (1e11 + 1, "float32 matmul peak of this machine, measured (2048^3)")
+
 _HLO = """HloModule m
 
 %body.1 (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
