@@ -12,8 +12,11 @@ from transformer.runtime import host_memory
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A computation with a 40 MB temporary buffer (sin(a b^T), made from inputs of
-# a few KB and materialised for the matrix product), called 12 times to settle,
-# then 8 times more; prints the minor page faults of each of the last 8 calls.
+# a few KB and materialised for the matrix product), called 8 times to settle,
+# then 6 times more; prints the minor page faults of each of the last 6 calls.
+# (Settled: 3 runs of each mode, 20 calls, 2026-11-29: "on" faulted nothing after its
+# 4th call, and the calling thread at most one stray 2,536 of 24,833 pages
+# in a call; 12 + 8 calls cost 5 s more per suite.)
 # 40 MB is above the largest block glibc ever serves from its heaps by default
 # (32 MB), so without the settings every call maps the buffer afresh, and
 # below the 64 MB a thread's own heap can hold. (With a heap per thread,
@@ -46,13 +49,13 @@ f = jax.jit(lambda a, b, w: jnp.sum(jnp.sin(a[:, None] * b[None, :]).T @ w))
 faults = []
 def calls():
   a, b, w = jnp.ones((rows,)), jnp.ones((4096,)), jnp.ones((rows, 64))
-  for call in range(20):
+  for call in range(14):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     jax.block_until_ready(f(a, b, w))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     time.sleep(0.1)  # let XLA free the call's buffer before the next call asks
 calls()
-print(applied, *faults[12:])
+print(applied, *faults[8:])
 """
 
 
