@@ -138,7 +138,6 @@ def test_rated_peaks_by_device_kind():
   assert flops.rated_peak(Device("cpu", "cpu")) is None
 
 
-
 def test_a_cpu_peak_is_measured_once_per_process(monkeypatch):
   """MFU's CPU peak is a 2048^3 float32 matmul timed by the first run of a
   process; later runs of the same process divide by it too."""
@@ -157,6 +156,7 @@ def test_a_cpu_peak_is_measured_once_per_process(monkeypatch):
     flops.peak_flops.cache_clear()  # (the next run measures the real one)
   assert sizes == [2048]
   assert first == again == (1e11 + 1, "float32 matmul peak of this machine, measured (2048^3)")
+
 
 _HLO = """HloModule m
 

@@ -2,21 +2,19 @@
 computation's temporary buffer is no longer faulted in afresh on every call."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+from helpers import run_checked, subprocess_env
 from transformer.runtime import host_memory
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A computation with a 40 MB temporary buffer (sin(a b^T), made from inputs of
 # a few KB and materialised for the matrix product), called 8 times to settle,
 # then 6 times more; prints the minor page faults of each of the last 6 calls.
-# (Settled: 3 runs of each mode, 20 calls, 2026-11-29: "on" faulted nothing after its
-# 4th call, and the calling thread at most one stray 2,536 of 24,833 pages
-# in a call; 12 + 8 calls cost 5 s more per suite.)
+# (3 runs of each mode, 20 calls each, 2026-11-29: "on" faulted nothing from
+# its 4th call on, "calling_thread" at most 2,536 of its 24,833 pages in a
+# later call.)
 # 40 MB is above the largest block glibc ever serves from its heaps by default
 # (32 MB), so without the settings every call maps the buffer afresh, and
 # below the 64 MB a thread's own heap can hold. (With a heap per thread,
@@ -62,10 +60,8 @@ print(applied, *faults[8:])
 def _run_probe(script: str, *args: str) -> str:
   """The last line `script` prints, run as a process of its own (glibc's
   settings apply to a whole process), on the CPU, at XLA's default flags."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  out = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, check=True)
+  out = run_checked([sys.executable, "-c", script, *args],
+                    subprocess_env(fast_compile=False), timeout=120)
   return out.stdout.strip().splitlines()[-1]
 
 

@@ -152,9 +152,9 @@ def peak_flops() -> tuple[float, str]:
   """(peak FLOP/s of the whole run, how it was had), MFU's denominator. CPU:
   a float32 matmul measured on this machine (`matmul_rate`, 0.4-0.6 s on 2
   cores; simulated CPU devices share its cores, so it is not multiplied by
-  them), once per process: the runs of one process (a notebook's, or the
-  test suite's 18 in-process runs) divide by the same peak, measured by the
-  first. (The benchmarks measure theirs beside each timing: `matmul_rate`.)
+  them), once per process: later runs of the process (a notebook's) divide
+  by the peak its first run measured (the benchmarks time theirs beside
+  each measurement: `matmul_rate`).
   GPU/TPU: the rated peak of every device (`rated_peak`), or for a kind not
   listed a bfloat16 matmul measured on one device, times the device count."""
   device, count = jax.devices()[0], jax.device_count()
