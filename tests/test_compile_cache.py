@@ -43,12 +43,12 @@ def test_the_least_recently_used_go_first_a_read_counts_as_a_use(tmp_path):
   old = write(tmp_path / "jit_c-cache", 400, 300)
   new = write(tmp_path / "jit_d-cache", 400, 100)
   in_progress = write(tmp_path / ".jit_e-tmp", 400, 900)
-  compile_cache.prune_least_recently_used(tmp_path, 1000)
+  compile_cache.prune_least_recently_used(tmp_path, 1000, names=compile_cache.JAX_ENTRY)
   # 1,600 bytes of entries: the two least recently used go (a, then c), b stays
   # for its read, d for its write; a write in progress is not counted or touched.
   assert not oldest.exists() and not old.exists()
   assert read_lately.exists() and new.exists() and in_progress.exists()
-  compile_cache.prune_least_recently_used(tmp_path, 0, keep=new)  # never `keep`
+  compile_cache.prune_least_recently_used(tmp_path, 0, names=compile_cache.JAX_ENTRY, keep=new)  # never `keep`
   assert [p.name for p in tmp_path.iterdir() if p.name.startswith("jit")] == ["jit_d-cache"]
 
 

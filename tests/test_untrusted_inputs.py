@@ -9,6 +9,7 @@ Fast: no training; the workdir is a copy of tests/fixtures/workdir_d26a6fb."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -107,6 +108,224 @@ def test_logs_never_write_through_a_planted_link(workdir, tmp_path):
   with pytest.raises(OSError):
     metrics.MetricsWriter(str(workdir))
   assert victim.read_text() == "untouched\n"
+
+
+# ----------------------------------------------------------------------------
+# What a path is: links out, FIFOs, devices, files that never end (received.py)
+# ----------------------------------------------------------------------------
+
+
+def outside_state(folder: Path, workdir: Path) -> dict[str, tuple]:
+  """Every entry under `folder` but inside `workdir`: its kind and, for a
+  file, the SHA-256 of its bytes (a link: where it leads)."""
+  import hashlib
+  state = {}
+  for path in sorted(folder.rglob("*")):
+    if path == workdir or workdir in path.parents:
+      continue
+    if path.is_symlink():
+      state[str(path)] = ("link", os.readlink(path))
+    elif path.is_file():
+      state[str(path)] = ("file", hashlib.sha256(path.read_bytes()).hexdigest())
+    else:
+      state[str(path)] = ("folder",)
+  return state
+
+
+def within_seconds(call, seconds: float = 60.0):
+  """`call()`'s result or exception, failing the test if it has not returned
+  within `seconds` (a read that never ends: the thread is left behind)."""
+  import threading
+  outcome: dict = {}
+
+  def run():
+    try:
+      outcome["value"] = call()
+    except BaseException as e:  # (handed to the test)
+      outcome["error"] = e
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    pytest.fail(f"still running after {seconds} s: a read that never ends")
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
+
+
+def _copy_outside(workdir: Path, name: str) -> Path:
+  """A copy of the workdir's `name` beside the workdir (in the folder that
+  holds it), for a link to lead out to."""
+  outside = workdir.parent / f"outside_{name}"
+  if (workdir / name).is_dir():
+    shutil.copytree(workdir / name, outside)
+  else:
+    shutil.copy(workdir / name, outside)
+  return outside
+
+
+def _replace(path: Path) -> None:
+  if path.is_dir() and not path.is_symlink():
+    shutil.rmtree(path)
+  else:
+    path.unlink(missing_ok=True)
+
+
+def _fifo(workdir, name):
+  _replace(workdir / name)
+  os.mkfifo(workdir / name)
+  return workdir / name, "a FIFO"
+
+
+def _dev_zero(workdir, name):
+  _replace(workdir / name)
+  (workdir / name).symlink_to("/dev/zero")
+  return workdir / name, "a character device"
+
+
+def _link_out(workdir, name):
+  outside = _copy_outside(workdir, name)
+  _replace(workdir / name)
+  (workdir / name).symlink_to(outside)
+  return workdir / name, "outside"
+
+
+def _never_ending_config(workdir, name):
+  """A model config that is valid JSON padded to 2 MiB (a config is KBs)."""
+  path = workdir / name
+  path.write_text(path.read_text() + " " * (2 << 20))
+  return path, "more than such a file holds"
+
+
+def _link_inside_checkpoint(workdir, name):
+  data = workdir / "checkpoints_averaged" / "600" / "params" / "d"
+  victim = next(data.iterdir())
+  outside = workdir.parent / "outside_chunk"
+  shutil.copy(victim, outside)
+  victim.unlink()
+  victim.symlink_to(outside)
+  return victim, "checkpoints hold none"
+
+
+def _fifo_inside_checkpoint(workdir, name):
+  path = workdir / "checkpoints_averaged" / "600" / "params" / "planted"
+  os.mkfifo(path)
+  return path, "a FIFO"
+
+
+def _no_vocabulary_and_a_fifo_config(workdir, name):
+  (workdir / "vocab.model").unlink()
+  return _fifo(workdir, "config.json")
+
+
+PLANTS = [
+    ("model_config.json", _fifo), ("model_config.json", _dev_zero),
+    ("model_config.json", _link_out), ("model_config.json", _never_ending_config),
+    ("vocab.model", _dev_zero), ("vocab.model", _link_out), ("vocab.model", _fifo),
+    ("import.json", _dev_zero), ("config.json", _no_vocabulary_and_a_fifo_config),
+    ("checkpoints_averaged", _link_out), ("checkpoints_averaged", _link_inside_checkpoint),
+    ("checkpoints_averaged", _fifo_inside_checkpoint),
+]
+
+
+@pytest.mark.parametrize("name,plant", PLANTS, ids=[f"{n}-{p.__name__.strip('_')}"
+                                                     for n, p in PLANTS])
+def test_a_planted_link_fifo_or_endless_file_is_one_sentence(workdir, name, plant):
+  """A workdir's file replaced by a FIFO (a read that would wait forever), a
+  link to /dev/zero (one that never ends), a link out of the workdir (to a
+  copy of the very file: only where it lies is wrong), a 2 MiB config, or a
+  link or FIFO inside a checkpoint folder (orbax would follow or block on
+  it): loading the workdir refuses in one sentence naming the file and what
+  it is, within seconds, and nothing outside the workdir changes."""
+  from transformer.decoding import loader
+  path, what = plant(workdir, name)
+  before = outside_state(workdir.parent, workdir)
+  with pytest.raises(ValueError) as error:
+    within_seconds(lambda: loader.load_translator(str(workdir)))
+  message = one_sentence(error.value, path)
+  assert what in message, message
+  assert outside_state(workdir.parent, workdir) == before
+
+
+def test_a_link_the_user_allowed_is_followed(workdir, monkeypatch):
+  """Checkpoints and a vocabulary linked to another disk on purpose: the
+  refusal names the variable that allows it, and once set the workdir
+  translates as the clean copy does."""
+  from transformer.decoding import loader
+  _link_out(workdir, "checkpoints_averaged")
+  _link_out(workdir, "vocab.model")
+  with pytest.raises(ValueError) as error:
+    loader.load_translator(str(workdir))
+  hint = f"TRANSFORMER_ALLOW_LINKS={workdir.parent}"
+  assert hint in one_sentence(error.value, workdir), str(error.value)
+  monkeypatch.setenv("TRANSFORMER_ALLOW_LINKS", str(workdir.parent))
+  expected = json.loads((FIXTURE_WORKDIR / "expected.json").read_text())
+  translator = loader.load_translator(str(workdir))
+  assert translator.translate(expected["inputs"][:3], method="greedy") == expected["greedy"][:3]
+
+
+def test_a_linked_compiled_folder_is_neither_read_nor_written(workdir, tmp_path_factory,
+                                                              monkeypatch, caplog):
+  """Issue 68 as it was met: `compiled/` a link to the folder that holds the
+  workdir, where a user keeps a large old file (and one named like a cached
+  decoder). Decoding keeps no decoder there and prunes nothing there, even
+  with the workdir's cache limit at 0 bytes; one line says so, and the
+  translations are those of the clean workdir."""
+  from transformer.decoding import executable_cache, loader
+  cache = tmp_path_factory.mktemp("machine_cache")
+  monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
+  monkeypatch.setattr(executable_cache, "MAX_MODEL_BYTES", 0)
+  import jax
+  from helpers import CACHE_SETTINGS
+  old = {n: getattr(jax.config, n) for n in ["jax_compilation_cache_dir", *CACHE_SETTINGS]}
+  jax.config.update("jax_compilation_cache_dir", str(cache))
+  try:
+    (workdir.parent / "old_download.iso").write_bytes(os.urandom(1 << 16))
+    (workdir.parent / ("0" * 32 + ".bin")).write_bytes(b"the user's own file")
+    (workdir / "compiled").symlink_to("..")
+    before = outside_state(workdir.parent, workdir)
+    expected = json.loads((FIXTURE_WORKDIR / "expected.json").read_text())
+    with caplog.at_level(logging.WARNING):
+      translator = loader.load_translator(str(workdir))
+      out = translator.translate(expected["inputs"][:3], method="greedy")
+    assert out == expected["greedy"][:3]
+    assert outside_state(workdir.parent, workdir) == before
+    said = [r.getMessage() for r in caplog.records if "compiled decoders" in r.getMessage()]
+    assert len(said) == 1 and "is a link" in said[0] and "\n" not in said[0], said
+    assert list((cache / executable_cache.SUBDIRECTORY).iterdir())  # (the machine's cache: kept)
+  finally:
+    for name, value in old.items():
+      jax.config.update(name, value)
+
+
+def test_a_linked_checkpoint_folder_is_never_written_or_pruned(workdir, tmp_path):
+  """Training in a workdir whose checkpoints/ leads elsewhere: refused before
+  orbax writes or prunes there."""
+  from transformer.runtime import checkpoints
+  elsewhere = tmp_path / "elsewhere"
+  (elsewhere / "7").mkdir(parents=True)
+  (workdir / "checkpoints").symlink_to(elsewhere)
+  with pytest.raises(ValueError) as error:
+    checkpoints.Checkpointer(str(workdir), read_only=False)
+  assert "is a link" in one_sentence(error.value, workdir / "checkpoints")
+  assert [p.name for p in elsewhere.iterdir()] == ["7"]
+
+
+def test_decode_py_ends_on_a_planted_fifo_in_one_line(workdir, tmp_path):
+  """The command as a user meets it: a FIFO where model_config.json should be
+  ends decode.py with status 1 and one line naming it (it hung before)."""
+  import subprocess
+  import sys
+  from helpers import subprocess_env
+  path, _ = _fifo(workdir, "model_config.json")
+  proc = subprocess.run([sys.executable, str(REPO / "decode.py"), f"--workdir={workdir}"],
+                        input="one red cat\n", capture_output=True, text=True, timeout=120,
+                        env=subprocess_env(), cwd=tmp_path)
+  assert proc.returncode == 1, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert str(path) in lines[0] and "a FIFO" in lines[0], lines[0]
+  assert proc.stdout == ""
 
 
 # ----------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
-from etils import epath
 
+from transformer.data import received
 from transformer.data.text_io import write_atomically
 
 PAD_ID = 0
@@ -224,23 +224,26 @@ def train_tokenizer(
   return tokenizer
 
 
-def load_tokenizer(model_path: str) -> Tokenizer:
+def load_tokenizer(model_path: str, root: str | os.PathLike | None = None) -> Tokenizer:
   """Loads a vocabulary written by `train_tokenizer` (or an imported Marian
   one: `tokenizer_from_bytes`), from a local path or an
   address such as gs://bucket/run/vocab.model (read through etils.epath).
+  `root`: the received folder it belongs to (a workdir), which it may not
+  lead out of (`received.read_bytes`: a regular file of at most 64 MiB).
 
   Raises:
     FileNotFoundError: `model_path` does not exist (train first: `python
       train.py --workdir=...` writes `<workdir>/vocab.model`).
   """
-  path = epath.Path(model_path)
-  if not path.exists():
+  if not received.exists(model_path):
     raise FileNotFoundError(
         f"No SentencePiece vocabulary at {model_path}. Train first: "
         "`python train.py --workdir=<dir>` writes <dir>/vocab.model, or call "
         "transformer.data.tokenizer.train_tokenizer(...)."
     )
-  return tokenizer_from_bytes(path.read_bytes(), model_path)
+  return tokenizer_from_bytes(
+      received.read_bytes(model_path, root=root, kind="vocabulary", what="the vocabulary"),
+      model_path)
 
 
 def tokenizer_from_bytes(model: bytes, model_path: str | None = None):

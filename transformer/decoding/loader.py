@@ -20,7 +20,7 @@ from transformer import model
 from transformer.data.tokenizer import load_tokenizer
 from transformer.decoding import executable_cache, serving_params
 from transformer.decoding.translator import Translator
-from transformer.runtime import parallel
+from transformer.runtime import errors, parallel, signing
 from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def read_workdir(workdir: str | os.PathLike, checkpoint: str | int = "auto"
 def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
                     checkpoint: str | int = "auto", *, with_info: bool = False,
                     param_sharding: str = "replicated", weights_dtype: str | None = None,
-                    trust_compiled: bool = False):
+                    trust_compiled: str | os.PathLike | None = None):
   """A Translator for a workdir written by train.py.
 
   Args:
@@ -55,32 +55,34 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
       on one device.
     weights_dtype: None (the model's) or "bfloat16": the projections'
       weights in bfloat16 (see `Translator`).
-    trust_compiled: the compiled decoders in `<workdir>/compiled/` were
-      written by a machine of yours (a copy of your own workdir): seal them
-      with this machine's key and load them (`executable_cache.trust`).
-      Otherwise only those this machine sealed are loaded; the others are
-      compiled afresh (docs/security.md). Never set it for a workdir you
-      received from someone else: loading a compiled decoder can run code.
+    trust_compiled: the key of the machine whose seals you trust (a copy of
+      your own workdir from another machine of yours): the path of its
+      32-byte `signing.key`, or of a keyring directory of such `*.key`
+      files. The files in `<workdir>/compiled/` whose tags verify under it
+      are sealed with this machine's key and loaded
+      (`executable_cache.trust`); the others are compiled afresh, as
+      always without it (docs/security.md). None (or "") = off.
   Returns:
     The Translator, or (Translator, info) with `with_info=True`.
   Raises:
     FileNotFoundError (CheckpointNotFound among them) naming what is missing
     and what to do; ValueError for files that cannot be read (OptionError for
-    a `checkpoint` that is no choice).
+    a `checkpoint` that is no choice, or a `trust_compiled` that names no
+    key: `trusted_keys`).
   """
+  trusted = trusted_keys(trust_compiled)  # (first: a bad key path costs nothing)
   if not isinstance(workdir, workdir_lib.Workdir):
     workdir = read_workdir(workdir, checkpoint)
     if workdir.checkpoint_note:
       logger.warning("%s", workdir.checkpoint_note)
   model_config = workdir.model_config
-  tokenizer = load_tokenizer(workdir.vocab_path)
+  tokenizer = load_tokenizer(workdir.vocab_path, root=workdir.path)
   if tokenizer.vocab_size > model_config.vocab_size:  # (ids past the embedding otherwise)
     raise ValueError(f"{workdir.vocab_path} has {tokenizer.vocab_size} pieces, more than the "
                      f"model's vocab_size {model_config.vocab_size}: it is not this model's "
                      "vocabulary")
   model_dir = executable_cache.model_directory(workdir)
-  if trust_compiled:
-    executable_cache.trust(model_dir)
+  executable_cache.trust(model_dir, trusted)
   target = param_shapes(model_config, model_dir)
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
@@ -93,6 +95,20 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
   translator = Translator(model_config, params, tokenizer, param_sharding=param_sharding,
                           weights_dtype=weights_dtype, workdir=workdir)
   return (translator, info) if with_info else translator
+
+
+def trusted_keys(trust_compiled: str | os.PathLike | None) -> list[bytes]:
+  """The keys `trust_compiled` names (`signing.trusted_keys`); none for
+  None, False or "". OptionError for True (the old switch, which trusted
+  any file that merely looked sealed) and for a path that holds no key."""
+  if trust_compiled is True:
+    raise errors.OptionError(
+        signing.TRUST_OPTION, True, "name the key file (signing.key) of the machine whose "
+        "seals you trust, e.g. trust_compiled=\"keys/laptop.key\": trust is a key, never a "
+        "workdir's files")
+  if trust_compiled is None or trust_compiled is False or trust_compiled == "":
+    return []
+  return signing.trusted_keys(trust_compiled)
 
 
 def param_shapes(model_config, model_dir=None):

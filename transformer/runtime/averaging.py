@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from transformer.data import received
 from transformer.runtime import workdir as workdir_lib
 from transformer.runtime.checkpoint_names import averaged_info, checkpoint_steps, step_dir
 from transformer.runtime.checkpoints import (AVERAGED_DIR, CHECKPOINT_DIR, META_ITEM, PARAMS_ITEM,
@@ -123,6 +124,8 @@ def save_averaged(
   if not steps:
     raise ValueError("save_averaged: no steps given.")
   directory = workdir_lib.resolve(workdir) / AVERAGED_DIR
+  received.check_directory(directory, root=workdir_lib.resolve(workdir),
+                           what="the averaged checkpoint's folder")  # (orbax prunes it)
   step = max(steps)
   per_process = per_process and jax.process_count() > 1
   manager = ocp.CheckpointManager(

@@ -12,11 +12,12 @@ resolves or interprets a workdir again."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
 from etils import epath
+
+from transformer.data import received
 
 CHECKPOINT_DIR = "checkpoints"  # <workdir>/checkpoints/<step>/: the training checkpoints
 AVERAGED_DIR = "checkpoints_averaged"  # <workdir>/checkpoints_averaged/<step>/: their average
@@ -49,7 +50,10 @@ def averaged_info(workdir: str | os.PathLike) -> dict[str, Any] | None:
     return None
   path = step_dir(workdir, steps[-1], AVERAGED_DIR) / META_ITEM / "metadata"
   try:
-    info = json.loads(path.read_text())
+    info = received.read_json(path, root=workdir, kind="record",
+                              what="the averaged checkpoint's record")
+  except received.RefusedFile:
+    raise
   except (OSError, ValueError) as e:
     raise ValueError(f"{path} cannot be read ({e}); it is written by train.py when it "
                      "averages, do not edit it") from None

@@ -63,6 +63,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from transformer.data import received
 from transformer.runtime import checkpoint_names
 from transformer.runtime import workdir as workdir_lib
 from transformer.runtime.checkpoint_space import CheckpointSpace
@@ -133,6 +134,9 @@ class Checkpointer:
       raise ValueError(f"keep must be >= 1 or None (keep all), got {keep}.")
     self.workdir = workdir_lib.resolve(workdir)
     self.directory = self.workdir / subdir
+    # Orbax reads every file under it and prunes its old steps: a real folder
+    # of the workdir, no link or FIFO in it (a workdir may be a received one).
+    received.walk(self.directory, root=self.workdir, what="a checkpoint folder")
     self.per_process = per_process and jax.process_count() > 1
     if self.per_process and not read_only:
       keep_common_steps(self.directory)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -39,7 +40,7 @@ OFF = ("off", "none", "0", "false", "")
 # small decoder is a large share of decoding a few lines.
 MIN_COMPILE_SECONDS = 0.0
 MAX_JAX_BYTES = 1 << 30  # JAX's entries beyond this: the least recently used go
-JAX_ENTRY_SUFFIX = "-cache"  # how JAX names an entry (its lru_cache.py): only those are pruned
+JAX_ENTRY = re.compile(r".+-cache")  # how JAX names an entry (its lru_cache.py): only those are pruned
 
 logger = logging.getLogger(__name__)
 
@@ -72,25 +73,26 @@ def enable(directory: str | None = None) -> str | None:
     from jax.experimental.compilation_cache import compilation_cache
     compilation_cache.reset_cache()
     try:
-      prune_least_recently_used(Path(choice), MAX_JAX_BYTES, suffix=JAX_ENTRY_SUFFIX)
+      prune_least_recently_used(Path(choice), MAX_JAX_BYTES, names=JAX_ENTRY)
     except OSError as e:  # (a read-only cache: used as it is)
       logger.warning("Could not prune the compilation cache %s (%s).", choice, e)
   return choice
 
 
-def prune_least_recently_used(where: Path, max_bytes: int, keep: Path | None = None,
-                              suffix: str = "") -> None:
+def prune_least_recently_used(where: Path, max_bytes: int, *, names: re.Pattern,
+                              keep: Path | None = None) -> None:
   """Removes the least recently used files directly in `where` (not in its
-  subdirectories) whose names end with `suffix` until they take `max_bytes`
-  at most; never `keep`, nor any other file (a directory a user named may
-  hold other things). Used means read or written: the later of a file's
+  subdirectories) whose whole names match `names` (the names the cache
+  itself writes) until they take `max_bytes` at most; never `keep`, nor any
+  other file (a directory a user named, or one a received workdir planted,
+  may hold anything). Used means read or written: the later of a file's
   access and modification times (a read updates the access time at least
   once a day, Linux's `relatime`). Names starting with "." (writes in
   progress) are left alone."""
   files = []
   for entry in os.scandir(where):
     if (entry.is_file(follow_symlinks=False) and not entry.name.startswith(".")
-        and entry.name.endswith(suffix)):
+        and names.fullmatch(entry.name)):
       stat = entry.stat()
       files.append((max(stat.st_atime_ns, stat.st_mtime_ns), stat.st_size, Path(entry.path)))
   total = sum(size for _, size, _ in files)

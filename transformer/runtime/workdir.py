@@ -59,11 +59,11 @@ import json
 import logging
 import os
 import posixpath
-import re
 from collections.abc import Callable
 
 from etils import epath
 
+from transformer.data import received
 from transformer.data.text_io import write_atomically
 from transformer.model.config import TransformerConfig
 from transformer.runtime import checkpoint_names, workdir_records
@@ -116,9 +116,6 @@ class CheckpointNotFound(FileNotFoundError):
     self.option, self.value, self.problem = "checkpoint", value, problem
 
 
-_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 # ----------------------------------------------------------------------------
 # Paths
 # ----------------------------------------------------------------------------
@@ -127,7 +124,7 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 def is_local(path: str | os.PathLike) -> bool:
   """Whether `path` is on a local (or mounted) file system, not an address
   like gs://bucket/run."""
-  return not _URI.match(os.fspath(path))
+  return not received.is_address(path)
 
 
 def resolve(workdir: str | os.PathLike) -> epath.Path:
@@ -175,8 +172,9 @@ def load_model_config(workdir: str) -> TransformerConfig:
     ValueError: it is not a valid model config (edited by hand, truncated).
   """
   path = _model_config_path(workdir)
+  document = received.read_text(path, root=workdir, kind="config", what="the model config")
   try:
-    return TransformerConfig.from_dict(json.loads(epath.Path(path).read_text()))
+    return TransformerConfig.from_dict(json.loads(document))
   except (ValueError, TypeError, AttributeError) as e:
     raise ValueError(f"{path} is not a valid model config ({e}); it is written by "
                      "train.py, do not edit it") from None
@@ -185,7 +183,7 @@ def load_model_config(workdir: str) -> TransformerConfig:
 def _model_config_path(workdir: str) -> str:
   """<workdir>/model_config.json, or FileNotFoundError if it is not there."""
   path = os.path.join(workdir, MODEL_CONFIG_FILE)
-  if not epath.Path(path).exists():
+  if not received.exists(path):
     raise FileNotFoundError(f"{path} not found: {workdir} is not a workdir written by "
                             f"train.py; {_train_hint(workdir)}")
   return path
@@ -200,12 +198,14 @@ def vocab_path(workdir: str | os.PathLike) -> str:
   """
   workdir = os.fspath(workdir)
   path = os.path.join(workdir, VOCAB_FILE)
-  if epath.Path(path).exists():
+  if received.exists(path):  # (a link or a FIFO too: reading it says what it is)
     return path
   configured = ""
   try:
-    configured = json.loads(
-        epath.Path(os.path.join(workdir, CONFIG_FILE)).read_text()).get("vocab_path") or ""
+    configured = received.read_json(os.path.join(workdir, CONFIG_FILE), root=workdir,
+                                    kind="config").get("vocab_path") or ""
+  except received.RefusedFile:
+    raise
   except (OSError, ValueError, AttributeError):
     pass
   if not isinstance(configured, str):
@@ -285,10 +285,12 @@ def check_config(workdir: str, config: dict) -> list[tuple[str, object, object]]
                      "replace its parameters. Fine-tune it into a new workdir: python "
                      f"train.py --workdir=<new> --config.init_from={workdir}")
   path = os.path.join(workdir, CONFIG_FILE)
-  if not epath.Path(path).exists():
+  if not received.exists(path):
     return []
   try:
-    stored = json.loads(epath.Path(path).read_text())
+    stored = received.read_json(path, root=workdir, kind="config", what="the run's config")
+  except received.RefusedFile:
+    raise
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); it is written by train.py, do not "
                      "edit it (move it away to start this workdir's config afresh)") from None
@@ -407,6 +409,15 @@ class Workdir:
   decoding: dict[str, float] = dataclasses.field(default_factory=dict)  # decoding.json ({}: none)
 
 
+def check_checkpoint_folders(path: epath.Path) -> list[list[received.Entry]]:
+  """The entries of the resolved workdir's two checkpoint folders
+  (`received.walk`): real folders inside it, holding only folders and
+  regular files, none of them a link (orbax, which reads them, would follow
+  it) and a bounded number. Raises `received.RefusedFile` naming what is not."""
+  return [received.walk(path / name, root=path, what="a checkpoint folder")
+          for name in (checkpoint_names.CHECKPOINT_DIR, checkpoint_names.AVERAGED_DIR)]
+
+
 def list_checkpoint(path: epath.Path, checkpoint: str | int
                     ) -> tuple[str | int, str | None]:
   """(`resolve_checkpoint`'s answer, `stale_average_note`'s for "auto", else
@@ -436,6 +447,8 @@ def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
   check_files(os.fspath(workdir))  # (its messages name the workdir as the caller did)
   path = resolve(workdir)
   model_config = load_model_config(path)
+  if checkpoint is not None:  # (orbax reads them on its own: checked before it does)
+    check_checkpoint_folders(path)
   which, note = (None, None) if checkpoint is None else choose(
       path, checkpoint_choice(checkpoint))
   return Workdir(path=path, model_config=model_config, vocab_path=vocab_path(path),

@@ -17,6 +17,8 @@ import math
 
 from etils import epath
 
+from transformer.data import received
+
 IMPORT_FILE = "import.json"
 DECODING_FILE = "decoding.json"
 # What decoding.json may set, and the range a writer of ours writes: beam
@@ -26,11 +28,13 @@ DECODING_FIELDS = {"length_penalty": (0.0, 5.0)}
 
 def _read_object(path: epath.Path, what: str, writer: str) -> dict | None:
   """The JSON object in `path`, None where there is no file."""
-  if not path.exists():
+  if not received.exists(path):
     return None
   try:
-    record = json.loads(path.read_text())
-  except (ValueError, UnicodeDecodeError) as e:
+    record = received.read_json(path, root=path.parent, kind="record", what=what)
+  except received.RefusedFile:
+    raise
+  except ValueError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); it is written by {writer}, do not "
                      "edit it") from None
   if not isinstance(record, dict):

@@ -12,8 +12,8 @@ import time
 
 import jax
 import ml_collections
-from etils import epath
 
+from transformer.data import received
 from transformer.data import sources as data_sources
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
@@ -117,10 +117,11 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
   model, error = None, None
   if is_main:
     try:
-      if vocabulary_file(config):
-        model = tokenizer_lib.load_tokenizer(vocabulary_file(config)).serialized_model()
-      elif epath.Path(path).exists():
-        model = tokenizer_lib.load_tokenizer(path).serialized_model()
+      if vocabulary_file(config):  # (init_from's: read only inside that workdir)
+        root = None if config.get("vocab_path") else config.get("init_from") or None
+        model = tokenizer_lib.load_tokenizer(vocabulary_file(config), root).serialized_model()
+      elif received.exists(path):
+        model = tokenizer_lib.load_tokenizer(path, workdir).serialized_model()
       else:
         model = train_vocabulary(config, train_pairs, path).serialized_model()
     except Exception as e:  # (the others wait for the vocabulary: send them nothing)
@@ -133,7 +134,8 @@ def get_tokenizer(config, workdir: str, train_pairs, *,
   if not model:
     raise RuntimeError("Process 0 could not make the vocabulary; see its error.")
   if is_main or not shared:
-    stored = epath.Path(path).read_bytes() if epath.Path(path).exists() else None
+    stored = (received.read_bytes(path, root=workdir, kind="vocabulary")
+              if received.exists(path) else None)
     if stored is None or (stored != model and not is_main):
       if stored is not None:
         logger.warning("%s differs from process 0's vocabulary: replaced by it.", path)
