@@ -123,6 +123,55 @@ def test_any_touched_checkpoint_file_sends_the_load_back_to_orbax(cache, workdir
   assert restores == ["averaged", "averaged"]
 
 
+def _keep_times(path: Path, edit) -> None:
+  """`edit(path)`, then `path`'s access and modification times as they were
+  (what `tar` and `cp -p` do)."""
+  stat = path.stat()
+  edit(path)
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_model_swapped_under_the_same_sizes_and_times_is_restored(cache, workdir,
+                                                                    restores):
+  """Another model unpacked over the same path keeps names, sizes and
+  modification times (`tar`, `cp -p`); the copy is not served for it: the
+  fingerprint holds what no copy keeps (inode, device, change time)."""
+  averaged = Path(workdir) / "checkpoints_averaged"
+  loader.load_translator(workdir)
+  assert restores == ["averaged"]
+  # Unpacked anew over the same path: every file and folder with its times.
+  unpacked = Path(workdir).parent / "unpacked"
+  shutil.copytree(averaged, unpacked, copy_function=shutil.copy2)
+  shutil.rmtree(averaged)
+  shutil.copytree(unpacked, averaged, copy_function=shutil.copy2)
+  for source in [unpacked, *sorted(unpacked.rglob("*"))]:  # (folders' times too)
+    stat = source.stat()
+    os.utime(averaged / source.relative_to(unpacked), ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged"]
+  # One file's bytes changed in place, its size and times kept.
+  record = averaged / "600" / "commit_success.txt"
+  _keep_times(record, lambda p: p.write_bytes(p.read_bytes()[::-1]))
+  loader.load_translator(workdir)
+  assert restores == ["averaged", "averaged", "averaged"]
+  loader.load_translator(workdir)  # (and the copy made then serves the next load)
+  assert restores == ["averaged", "averaged", "averaged"]
+
+
+def test_a_link_or_fifo_in_a_checkpoint_folder_is_refused(cache, workdir, tmp_path):
+  """The fingerprint's walk is the checkpoint folders' check: a link (even
+  one inside the workdir) or a FIFO there is one sentence, and nothing is
+  served or restored."""
+  params = Path(workdir) / "checkpoints_averaged" / "600" / "params"
+  (params / "extra").symlink_to(params / "manifest.ocdbt")
+  with pytest.raises(ValueError, match="is a link to .*checkpoints hold none"):
+    loader.load_translator(workdir)
+  (params / "extra").unlink()
+  os.mkfifo(params / "extra")
+  with pytest.raises(ValueError, match="is a FIFO"):
+    serving_params.fingerprint(workdir)
+
+
 def test_the_recorded_choice_follows_the_checkpoints(cache, workdir):
   with pytest.raises(FileNotFoundError, match="no checkpoint in"):  # no training steps
     serving_params.resolve(workdir, "latest")

@@ -18,7 +18,9 @@ written):
     from and the load's info (`load`).
 Both under the fingerprint of the workdir's checkpoint directories when they
 were made: every file and directory under `checkpoints/` and
-`checkpoints_averaged/`, with its size and modification time. Orbax's listing
+`checkpoints_averaged/`, with its size, modification time, inode, device and
+change time (no copy keeps the last three: a model unpacked over the same
+path with the same sizes and times is not served the old copy). Orbax's listing
 and restore read nothing else (step directories, their commit files, the
 arrays), so while the fingerprint is unchanged what is kept is exactly what
 they would give. A new step, a new average, a save in progress, a removed or
@@ -50,10 +52,10 @@ from typing import Any, BinaryIO
 
 import jax
 import numpy as np
+from etils import epath
 
 from transformer.data.text_io import write_atomically
 from transformer.decoding import executable_cache
-from transformer.runtime import checkpoint_names
 from transformer.runtime.disk_space import tree_bytes
 from transformer.runtime import workdir as workdir_lib
 
@@ -80,21 +82,18 @@ def applies(workdir: str | os.PathLike) -> bool:
 
 
 def fingerprint(workdir: str | os.PathLike) -> str:
-  """SHA-256 of every entry under the workdir's checkpoint directories: its
-  path, whether it is a directory, its size and modification time (ns)."""
+  """SHA-256 of every entry under the workdir's checkpoint directories
+  (`workdir.check_checkpoint_folders`: no links, FIFOs or devices, a bounded
+  number): its path, whether it is a directory, its size and modification
+  time, and what no copy can carry over: its inode, device and change time.
+  (`tar` and `cp -p` keep sizes and modification times: another model
+  unpacked over the same path would match those.)"""
   digest = hashlib.sha256()
-  for name in (checkpoint_names.CHECKPOINT_DIR, checkpoint_names.AVERAGED_DIR):
-    top = os.path.join(os.path.abspath(workdir), name)
-    for root, dirs, files in os.walk(top):
-      dirs.sort()
-      for entry in [root, *(os.path.join(root, f) for f in sorted(files))]:
-        try:
-          stat = os.stat(entry)
-        except OSError:  # (removed while we walked: the copy would be stale)
-          digest.update(f"gone {entry}\n".encode())
-          continue
-        digest.update(f"{os.path.relpath(entry, workdir)} {entry == root} "
-                      f"{stat.st_size} {stat.st_mtime_ns}\n".encode())
+  for folder in workdir_lib.check_checkpoint_folders(epath.Path(os.path.abspath(workdir))):
+    for entry in folder:
+      digest.update(f"{entry.relative} {entry.is_dir} {entry.size} {entry.mtime_ns} "
+                    f"{entry.ctime_ns} {entry.inode} {entry.device}\n".encode())
+    digest.update(b"--\n")
   return digest.hexdigest()
 
 
