@@ -155,8 +155,9 @@ def read_text(path: str | os.PathLike, **kwargs) -> str:
 
 
 def read_json(path: str | os.PathLike, **kwargs):
-  """`read_text`, parsed as JSON; ValueError (json's) where it is not JSON."""
-  return json.loads(read_text(path, **kwargs))
+  """`read_bytes`, parsed as JSON; ValueError (json's, or a UnicodeDecodeError)
+  where it is not JSON: the caller names the file and its writer."""
+  return json.loads(read_bytes(path, **kwargs))
 
 
 def exists(path: str | os.PathLike) -> bool:
