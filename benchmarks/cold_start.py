@@ -21,8 +21,9 @@ shell's side (process start to exit):
   received the same copy on a machine with another key (a workdir received
            from someone else): its compiled decoders are not loaded but
            compiled afresh (issue 59; docs/security.md);
-  trusted  the same with `--trust_compiled`: a copy of one's own workdir on
-           another machine of one's own, adopted explicitly.
+  trusted  the same with `--trust_compiled=<this machine's signing.key>`: a
+           copy of one's own workdir on another machine of one's own,
+           adopted explicitly by naming the key it was sealed under.
 Then the ratios to `warm` (the issue's goals: cold <= 3x, first <= 1.5x) and
 whether every run wrote the same lines as `warm`. Flags after `--` go to every
 `decode.py` (e.g. `--batch_size=128`). The first method's `first` run is the
@@ -45,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_vs_ctranslate2 import read_input  # noqa: E402
+from transformer.runtime import signing  # noqa: E402
 
 
 def decode(workdir: Path, source: Path, output: Path, method: str, cache: str | None,
@@ -79,7 +81,7 @@ def main() -> None:
     source.write_text("".join(line + "\n" for line in sources))
     print(f"{args.lines} lines of {args.input}; decode.py {' '.join(args.flags)}")
     print("| method | first (after training) | warm | cold | copied (same key) "
-          "| received (another key) | trusted (--trust_compiled) | first / warm "
+          "| received (another key) | trusted (--trust_compiled=KEY) | first / warm "
           "| cold / warm | same lines as warm |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for method in args.methods.split(","):
@@ -104,7 +106,8 @@ def main() -> None:
                                    str(tmp / f"{method}_cache3"), args.flags, key=other_key)
       seconds["trusted"] = decode(tmp / f"{method}_trusted", source, out["trusted"], method,
                                   str(tmp / f"{method}_cache4"),
-                                  [*args.flags, "--trust_compiled"], key=other_key)
+                                  [*args.flags, f"--trust_compiled={signing.key_path()}"],
+                                  key=other_key)
       warm_text = out["warm"].read_text()
       same = all(path.read_text() == warm_text for path in out.values())
       print(f"| {method} | {seconds['first']:.1f} s | {seconds['warm']:.1f} s "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -81,11 +82,12 @@ def env(tmp_path_factory):
   return env
 
 
-def run_decode(env, *flags, stdin: bytes | str = b"") -> subprocess.CompletedProcess:
+def run_decode(env, *flags, stdin: bytes | str = b"",
+               timeout: float = 600) -> subprocess.CompletedProcess:
   if isinstance(stdin, str):
     stdin = stdin.encode()
   result = subprocess.run([sys.executable, DECODE, *flags], input=stdin, cwd=ROOT,
-                          env=env, capture_output=True, timeout=600)
+                          env=env, capture_output=True, timeout=timeout)
   result.stdout_text = result.stdout.decode()
   result.stderr_text = result.stderr.decode()
   return result
@@ -351,7 +353,8 @@ def test_decode_py_runs_nothing_a_received_workdir_carries(workdir, env, tmp_pat
   replaced by a pickle that runs a shell command, decoded on a machine whose
   cache is empty: the command never runs, one line on stderr names the
   workdir, and the output is byte-identical to the clean workdir's.
-  (test_executable_cache.py: the other kinds of file, and --trust_compiled.)"""
+  (test_executable_cache.py: the other kinds of file, and --trust_compiled=KEY;
+  below: --trust_compiled=KEY through decode.py.)"""
   import helpers
   env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
   env.update(TRANSFORMER_COMPILATION_CACHE=str(tmp_path / "cache"),
@@ -372,6 +375,95 @@ def test_decode_py_runs_nothing_a_received_workdir_carries(workdir, env, tmp_pat
   assert hostile.stdout == clean.stdout
   said = [line for line in hostile.stderr_text.splitlines() if "cannot prove" in line]
   assert len(said) == 1 and str(received) in said[0], hostile.stderr_text
+
+
+FIXTURE_WORKDIR = os.path.join(ROOT, "tests", "fixtures", "workdir_d26a6fb")
+FIXTURE_LINES = ["forty-two red apples and one small cat", "ten white lamps", "", "seven"]
+
+
+def _on_machine(env, tmp_path, machine: str, cache: str) -> dict:
+  """decode.py's environment on one of the user's machines: its signing key
+  (`<tmp_path>/<machine>/signing.key`, made on first use), its compilation
+  cache (`<tmp_path>/<cache>`), decoders kept in workdirs."""
+  env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+  return dict(env, TRANSFORMER_SIGNING_KEY=str(tmp_path / machine / "signing.key"),
+              TRANSFORMER_COMPILATION_CACHE=str(tmp_path / cache),
+              TRANSFORMER_WORKDIR_DECODERS="on")
+
+
+def test_decode_py_trusts_a_key_never_a_file(env, tmp_path):
+  """Issue 68 through decode.py: the fixture workdir compiled on machine A (its
+  key, its cache), copied to machine B (another key, an empty cache). With
+  --trust_compiled=A's signing.key a copy loads its decoders (the summary
+  says so), and so does the next run without the flag. A copy whose
+  compiled/ files are each MAGIC + 32 zero bytes + a pickle that runs a
+  shell command (the attack), with the same flag: the command never runs,
+  nothing is loaded, one line says so, the output is byte-identical."""
+  import helpers
+  from transformer.runtime import signing
+  flags, stdin = ("--method=greedy", "--max_len=24"), _text(FIXTURE_LINES)
+  own = tmp_path / "own"
+  shutil.copytree(FIXTURE_WORKDIR, own)
+  clean = _ok(run_decode(_on_machine(env, tmp_path, "a", "a_cache"), f"--workdir={own}",
+                         *flags, "--quiet", stdin=stdin))
+  a_key = tmp_path / "a" / "signing.key"
+  trusted, forged = tmp_path / "trusted", tmp_path / "forged"
+  for copy in (trusted, forged):
+    shutil.copytree(own, copy)
+  marker = tmp_path / "the planted command ran"
+  for path in (forged / "compiled").iterdir():
+    path.write_bytes(signing.MAGIC + bytes(signing.TAG_BYTES) + helpers.hostile_pickle(marker))
+
+  hostile = _ok(run_decode(_on_machine(env, tmp_path, "b", "b_cache1"), f"--workdir={forged}",
+                           *flags, f"--trust_compiled={a_key}", stdin=stdin))
+  assert not marker.exists() and hostile.stdout == clean.stdout
+  assert "compiled decoders loaded" not in hostile.stderr_text, hostile.stderr_text
+  said = [line for line in hostile.stderr_text.splitlines() if "cannot prove" in line]
+  assert len(said) == 1 and str(forged) in said[0], hostile.stderr_text
+
+  for cache, trust in (("b_cache2", [f"--trust_compiled={a_key}"]), ("b_cache3", [])):
+    warm = _ok(run_decode(_on_machine(env, tmp_path, "b", cache), f"--workdir={trusted}",
+                          *flags, *trust, stdin=stdin))  # (then without the flag)
+    assert warm.stdout == clean.stdout and "cannot prove" not in warm.stderr_text
+    assert re.search(r"\b[1-9][0-9]* compiled decoders loaded", warm.stderr_text), \
+        warm.stderr_text
+
+
+def _bad_trusted_key(kind: str, tmp_path) -> str:
+  """What --trust_compiled must refuse: a link to a key, a FIFO, a file of
+  the wrong size, one that group members can write."""
+  key = tmp_path / "elsewhere" / "signing.key"
+  key.parent.mkdir()
+  key.write_bytes(os.urandom(32))
+  key.chmod(0o600)
+  path = tmp_path / f"{kind}.key"
+  if kind == "link":
+    path.symlink_to(key)
+  elif kind == "fifo":
+    os.mkfifo(path)
+  else:
+    path.write_bytes(os.urandom(31 if kind == "short" else 32))
+    path.chmod(0o620 if kind == "group-writable" else 0o600)
+  return str(path)
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("link", "symbolic link"), ("fifo", "not a regular file"),
+    ("short", "holds 31 bytes"), ("group-writable", "read or written by group or others"),
+    ("the old switch", "name the key file"),
+])
+def test_decode_py_refuses_a_trusted_key_that_is_none_in_one_line(env, tmp_path, kind, needle):
+  """Before the workdir is read: one line naming the flag, its value and what
+  is wrong, exit status 2 (a bad flag value); a FIFO is never waited on."""
+  if kind == "the old switch":  # (absl takes the next flag for the value)
+    flags = ["--trust_compiled", "--method=greedy"]
+    value = "--method=greedy"
+  else:
+    value = _bad_trusted_key(kind, tmp_path)
+    flags = [f"--trust_compiled={value}"]
+  result = run_decode(env, f"--workdir={FIXTURE_WORKDIR}", *flags, stdin="seven\n", timeout=120)
+  err = _error(result, f"--trust_compiled={value}: ", needle, code=2)
+  assert len(err.strip().splitlines()) == 1, err
 
 
 def test_second_decode_compiles_nothing(workdir, env, tmp_path):

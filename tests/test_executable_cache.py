@@ -199,41 +199,117 @@ def test_a_received_workdir_runs_nothing_it_carries(received_workdir, tmp_path, 
   assert again == clean and stats["decoders_loaded"] == 2
 
 
-def test_trust_compiled_adopts_a_copy_of_ones_own_workdir(received_workdir, tmp_path,
-                                                          monkeypatch, caplog):
-  """A copy from another machine of one's own (its files sealed under that
-  machine's key): compiled afresh by default, loaded with trust_compiled
-  (sealed anew here: later loads need no flag), tracing nothing. Files that
-  are not sealed files (a planted pickle) are not loaded even then."""
-  import hashlib
-  import hmac
+@pytest.fixture
+def machine_b(received_workdir, tmp_path, monkeypatch):
+  """The received workdir on machine B: another signing key (made on first
+  use) and an empty cache. The workdir was compiled on machine A, this
+  process's own key (conftest.py): returns A's key file, what a user names
+  with --trust_compiled."""
+  from transformer.runtime import signing
+  a_key = signing.key_path()
+  assert a_key.is_file()  # (the sealed workdir was compiled under it)
+  monkeypatch.setenv(signing.ENV, str(tmp_path / "machine_b" / "signing.key"))
+  return a_key
+
+
+def _recording_trust(monkeypatch) -> list[int]:
+  """How many files each `executable_cache.trust` sealed anew, in a list."""
+  counts, trust = [], executable_cache.trust
+
+  def recording(*args, **kwargs):
+    counts.append(trust(*args, **kwargs))
+    return counts[-1]
+  monkeypatch.setattr(executable_cache, "trust", recording)
+  return counts
+
+
+def test_trust_compiled_adopts_what_the_named_key_sealed(received_workdir, machine_b, tmp_path,
+                                                         monkeypatch):
+  """Issue 68: a copy of one's own workdir compiled on machine A, on machine B
+  (another key, an empty cache): compiled afresh by default; with
+  trust_compiled=A's key file, or a keyring that holds it among others, its
+  files are sealed anew with B's key and loaded, tracing nothing; later
+  loads need no flag; naming B's own key reseals nothing."""
   import shutil
   from transformer.runtime import signing
   workdir, clean = received_workdir
+  a_key = machine_b
   compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
-  other_key = b"k" * signing.KEY_BYTES  # (the other machine's)
-  for path in compiled.iterdir():
-    payload = signing.unseal(path.name, path.read_bytes())
-    path.write_bytes(signing.MAGIC + hmac.new(other_key, path.name.encode() + b"\0" + payload,
-                                              hashlib.sha256).digest() + payload)
-  untrusted = tmp_path / "untrusted"
-  shutil.copytree(workdir, untrusted)
-  _, stats = _translate_workdir(untrusted)
+  names = sorted(p.name for p in compiled.iterdir())
+  copies = {name: tmp_path / name for name in ("untrusted", "keyring")}
+  for copy in copies.values():
+    shutil.copytree(workdir, copy)
+  _, stats = _translate_workdir(copies["untrusted"])
   assert stats["decoders_loaded"] == 0
 
-  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "another_empty_cache"))
+  counts = _recording_trust(monkeypatch)
   _never_trace(monkeypatch)
   monkeypatch.setattr(model_lib, "init_params", lambda *a: pytest.fail("the model was traced"))
-  got, stats = _translate_workdir(workdir, trust_compiled=True)
-  assert got == clean and stats["decoders_loaded"] == 2
-  got, stats = _translate_workdir(workdir)  # (sealed here now)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "another_empty_cache"))
+  got, stats = _translate_workdir(workdir, trust_compiled=str(a_key))
+  assert got == clean and stats["decoders_loaded"] == 2 and counts == [len(names)]
+  for name in names:  # (sealed with B's key now: raises if not)
+    signing.unseal(name, (compiled / name).read_bytes())
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "a_third_empty_cache"))
+  got, stats = _translate_workdir(workdir)  # (no flag: sealed here now)
   assert got == clean and stats["decoders_loaded"] == 2
 
-  monkeypatch.undo()
+  keyring = tmp_path / "keyring_dir"
+  keyring.mkdir()
+  for machine in ("laptop", "server"):
+    (keyring / f"{machine}.key").write_bytes(os.urandom(signing.KEY_BYTES))
+  shutil.copy(a_key, keyring / "colab.key")
+  for path in keyring.iterdir():
+    path.chmod(0o600)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "a_fourth_empty_cache"))
+  got, stats = _translate_workdir(copies["keyring"], trust_compiled=keyring)
+  assert got == clean and stats["decoders_loaded"] == 2 and counts[-1] == len(names)
+
+  got, stats = _translate_workdir(workdir, trust_compiled=signing.key_path())  # (B's own)
+  assert got == clean and stats["decoders_loaded"] == 2 and counts[-1] == 0
+
+
+@pytest.mark.parametrize("kind", ["a forged seal", "a third key's seal", "pickle"])
+def test_trust_compiled_reseals_nothing_the_named_key_did_not_seal(received_workdir, machine_b,
+                                                                   tmp_path, monkeypatch,
+                                                                   caplog, kind):
+  """Issue 68's attack: every file of compiled/ made MAGIC + 32 zero bytes + a
+  pickle that runs a shell command (or that pickle sealed under a third key
+  C, or the bare pickle), decoded with trust_compiled=A's key: nothing is
+  sealed anew, the command never runs, one line names the workdir, the
+  translations are the clean workdir's."""
+  from transformer.runtime import signing
+  workdir, clean = received_workdir
+  compiled = workdir / executable_cache.MODEL_SUBDIRECTORY
   marker = tmp_path / "the planted command ran"
-  helpers.plant_hostile_files(compiled, "pickle", marker)
-  got, stats = _translate_workdir(workdir, trust_compiled=True)
-  assert got == clean and stats["decoders_loaded"] == 0 and not marker.exists()
+  c_key = os.urandom(signing.KEY_BYTES)
+  for path in compiled.iterdir():
+    payload = helpers.hostile_pickle(marker)
+    tag = {"a forged seal": bytes(signing.TAG_BYTES), "pickle": None,
+           "a third key's seal": signing._tag(c_key, path.name, payload)}[kind]
+    path.write_bytes(payload if tag is None else signing.MAGIC + tag + payload)
+  counts = _recording_trust(monkeypatch)
+  with caplog.at_level(logging.WARNING):
+    got, stats = _translate_workdir(workdir, trust_compiled=str(machine_b))
+  assert not marker.exists() and counts == [0]
+  assert got == clean and stats["decoders_loaded"] == 0
+  said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  assert len(said) == 1 and str(workdir) in said[0] and "\n" not in said[0], caplog.text
+  assert "--trust_compiled=<that machine's signing.key>" in said[0]
+
+
+def test_trust_compiled_names_a_key_never_a_switch(tmp_path):
+  """The old switch (True) trusted any file that looked sealed: refused with
+  a sentence saying what to name; off is None, False or ""; a path that
+  holds no key is refused before anything is loaded."""
+  from transformer.runtime import errors
+  with pytest.raises(errors.OptionError, match="name the key file .* whose seals you trust"):
+    loader.load_translator(str(FIXTURE_WORKDIR), trust_compiled=True)
+  assert loader.trusted_keys(None) == loader.trusted_keys(False) == loader.trusted_keys("") == []
+  os.mkfifo(tmp_path / "fifo.key")
+  with pytest.raises(errors.OptionError, match="not a regular file"):
+    loader.load_translator(str(tmp_path / "no workdir here"),
+                           trust_compiled=tmp_path / "fifo.key")
 
 
 def test_a_planted_link_or_fifo_is_not_followed(received_workdir, tmp_path):
@@ -424,18 +500,23 @@ def test_a_start_that_finds_everything_on_disk_traces_nothing(tmp_path):
 
 def test_the_least_recently_used_files_go_beyond_max_bytes(cache_dir, monkeypatch):
   """Each new file removes the least recently used files beyond MAX_BYTES
-  (by modification time; a load touches its file), never itself."""
+  (by modification time; a load touches its file), never itself, and only
+  files named as the cache names them: a file of any other name stays,
+  however old (the directory may be one a received workdir planted)."""
   import jax.numpy as jnp
   used = executable_cache.load_or_eval_shape({"f": "used"}, lambda: jnp.zeros(3))
   (path_used,) = cache_dir.glob("*.shapes")
   old = {}
   for age in (1, 2, 3):  # three stale files of 1,000 bytes, 100-300 s old
-    old[age] = cache_dir / f"stale{age}.bin"
+    old[age] = cache_dir / f"{age:032x}.bin"
     old[age].write_bytes(b"x" * 1000)
     os.utime(old[age], (time.time() - 100 * age,) * 2)
+  foreign = cache_dir / "holiday_photos.bin"  # the oldest, not the cache's
+  foreign.write_bytes(b"y" * 1000)
+  os.utime(foreign, (time.time() - 5000,) * 2)
   os.utime(path_used, (time.time() - 1000,) * 2)  # the oldest of all ...
   assert executable_cache.load_or_eval_shape({"f": "used"}, lambda: 1 / 0) == used  # ... used now
-  sizes = {p.name: p.stat().st_size for p in cache_dir.iterdir()}
+  sizes = {p.name: p.stat().st_size for p in cache_dir.iterdir() if p != foreign}
   monkeypatch.setattr(executable_cache, "MAX_BYTES", sum(sizes.values()) - 1500)
   executable_cache.load_or_eval_shape({"f": "new"}, lambda: jnp.zeros(4))
   left = {p.name for p in cache_dir.iterdir()}
@@ -444,7 +525,9 @@ def test_the_least_recently_used_files_go_beyond_max_bytes(cache_dir, monkeypatc
   new = [name for name in left if name.endswith(".shapes") and name != path_used.name]
   assert path_used.name in left and len(new) == 1
   assert not old[3].exists() and not old[2].exists()
-  assert sum(p.stat().st_size for p in cache_dir.iterdir()) <= executable_cache.MAX_BYTES
+  assert foreign.read_bytes() == b"y" * 1000
+  assert (sum(p.stat().st_size for p in cache_dir.iterdir() if p != foreign)
+          <= executable_cache.MAX_BYTES)
 
 
 def test_a_read_only_cache_still_loads(cache_dir, monkeypatch):

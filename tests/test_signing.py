@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from transformer.runtime import signing
+from transformer.runtime import errors, signing
 
 
 @pytest.fixture
@@ -104,13 +104,142 @@ def test_only_what_this_machine_sealed_under_that_name_unseals(key_file, tmp_pat
     signing.unseal(name, sealed)
 
 
-def test_reseal_moves_a_file_under_this_key(key_file):
-  other = os.urandom(signing.KEY_BYTES)
-  theirs = signing.MAGIC + hmac.new(other, b"n\0p", hashlib.sha256).digest() + b"p"
+def _sealed_under(key: bytes, name: str, payload: bytes) -> bytes:
+  """`payload` sealed as another machine, whose key is `key`, seals it."""
+  tag = hmac.new(key, name.encode() + b"\0" + payload, hashlib.sha256).digest()
+  return signing.MAGIC + tag + payload
+
+
+def test_reseal_moves_only_what_a_trusted_key_sealed(key_file):
+  """Issue 68: a file is sealed anew here only if its tag verifies under one
+  of the keys the user named, for its own name; never one that merely
+  starts like a sealed file (the attack: MAGIC, 32 zero bytes, a pickle)."""
+  mine_elsewhere, stranger = os.urandom(signing.KEY_BYTES), os.urandom(signing.KEY_BYTES)
+  theirs = _sealed_under(mine_elsewhere, "n", b"p")
   with pytest.raises(signing.NotSealedHere):
     signing.unseal("n", theirs)
-  assert signing.unseal("n", signing.reseal("n", theirs)) == b"p"
-  assert signing.reseal("n", b"a pickle, not a sealed file") is None
+  assert signing.unseal("n", signing.reseal("n", theirs, [stranger, mine_elsewhere])) == b"p"
+  forged = signing.MAGIC + bytes(signing.TAG_BYTES) + b"a pickle"
+  assert signing.reseal("n", forged, [mine_elsewhere, stranger]) is None
+  assert signing.reseal("n", theirs, [stranger]) is None  # (another key)
+  assert signing.reseal("m", theirs, [mine_elsewhere]) is None  # (another name)
+  assert signing.reseal("n", theirs[:-1] + b"q", [mine_elsewhere]) is None  # (changed)
+  assert signing.reseal("n", theirs, []) is None
+  assert signing.reseal("n", b"a pickle, not a sealed file", [mine_elsewhere]) is None
+
+
+def _write_key(path, key: bytes | None = None, mode: int = 0o600):
+  """A key file at `path` (its directory made), mode `mode`; `key` or random."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_bytes(os.urandom(signing.KEY_BYTES) if key is None else key)
+  os.chmod(path, mode)
+  return path
+
+
+def test_a_trusted_key_is_a_key_file_or_a_keyring_of_them(tmp_path):
+  """A key file gives its key; a keyring directory every `*.key` file's,
+  other files ignored."""
+  a = os.urandom(signing.KEY_BYTES)
+  assert signing.trusted_keys(_write_key(tmp_path / "a" / "signing.key", a)) == [a]
+  assert signing.trusted_keys(str(tmp_path / "a" / "signing.key")) == [a]
+  ring = tmp_path / "keyring"
+  keys = {name: os.urandom(signing.KEY_BYTES)
+          for name in ("laptop.key", "colab.key", "server.key")}
+  for name, key in keys.items():
+    _write_key(ring / name, key)
+  (ring / "README").write_text("the keys of my machines")
+  (ring / "laptop.key.bak").write_bytes(b"not read")
+  assert sorted(signing.trusted_keys(ring)) == sorted(keys.values())
+
+
+def _make_bad_key(kind: str, tmp_path):
+  """A path that `--trust_compiled` must refuse, and words of its sentence."""
+  good = _write_key(tmp_path / "elsewhere" / "signing.key")
+  path = tmp_path / "trusted.key"
+  if kind == "a link out":
+    path.symlink_to(good)
+    return path, "symbolic link"
+  if kind == "a FIFO":
+    os.mkfifo(path)
+    return path, "not a regular file"
+  if kind == "a device":
+    return "/dev/zero", "not a regular file"
+  if kind in ("short", "long", "empty"):
+    size = {"short": signing.KEY_BYTES - 1, "long": 4096, "empty": 0}[kind]
+    _write_key(path, os.urandom(size))
+    return path, f"holds {size} bytes, not a 32-byte"
+  if kind in ("group-writable", "others-writable", "others-readable"):
+    _write_key(path, mode={"group-writable": 0o620, "others-writable": 0o602,
+                           "others-readable": 0o604}[kind])
+    return path, "can be read or written by group or others"
+  if kind == "missing":
+    return path, "does not exist"
+  ring = tmp_path / "keyring"
+  _write_key(ring / "laptop.key")
+  if kind == "a keyring others can write":
+    os.chmod(ring, 0o777)
+    return ring, "the keyring can be written by group or others"
+  if kind == "a link in a keyring":
+    (ring / "server.key").symlink_to(good)
+    return ring, "its server.key is a symbolic link"
+  if kind == "a FIFO in a keyring":
+    os.mkfifo(ring / "server.key")
+    return ring, "its server.key is not a regular file"
+  if kind == "a short key in a keyring":
+    _write_key(ring / "server.key", b"short")
+    return ring, "its server.key holds 5 bytes"
+  if kind == "a group-writable key in a keyring":
+    _write_key(ring / "server.key", mode=0o660)
+    return ring, "its server.key can be read or written by group or others"
+  if kind == "an empty keyring":
+    (ring / "laptop.key").unlink()
+    return ring, "holds no .key file"
+  assert kind == "a huge keyring", kind
+  for i in range(signing.MAX_KEYRING_ENTRIES):
+    (ring / f"note{i}").touch()
+  return ring, f"more than {signing.MAX_KEYRING_ENTRIES} entries"
+
+
+def _within(seconds: float, fn, *args):
+  """fn(*args), or the test fails if it has not returned in `seconds` (an
+  open that waits for a FIFO's writer would wait for ever)."""
+  result = {}
+
+  def run():
+    try:
+      result["value"] = fn(*args)
+    except BaseException as e:  # (raised again in the test's thread)
+      result["error"] = e
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    pytest.fail(f"{fn.__name__} still waiting after {seconds} s")
+  if "error" in result:
+    raise result["error"]
+  return result["value"]
+
+
+BAD_KEYS = ("a link out", "a FIFO", "a device", "short", "long", "empty", "group-writable",
+            "others-writable", "others-readable", "missing", "a keyring others can write",
+            "a link in a keyring",
+            "a FIFO in a keyring", "a short key in a keyring",
+            "a group-writable key in a keyring", "an empty keyring", "a huge keyring")
+
+
+@pytest.mark.parametrize("kind", BAD_KEYS)
+def test_a_bad_trusted_key_is_one_sentence_naming_it(tmp_path, kind):
+  """Issue 68: what `--trust_compiled` names is read as a key only if it is
+  one: a regular file (no link followed, a FIFO never waited on) of exactly
+  32 bytes that only its owner can write, or a keyring of such files. Else
+  an OptionError: the option, the path and what is wrong, on one line."""
+  path, words = _make_bad_key(kind, tmp_path)
+  with pytest.raises(errors.OptionError) as raised:
+    _within(10, signing.trusted_keys, path)  # (a FIFO opened for reading would block)
+  e = raised.value
+  assert (e.option, e.value) == ("trust_compiled", str(path))
+  assert words in e.problem and "\n" not in str(e), str(e)
+  assert str(e).startswith(f"trust_compiled={path}: ")
 
 
 def test_a_key_others_can_read_is_not_used(key_file, caplog):

@@ -93,11 +93,13 @@ def train(config, workdir: str, *, train_pairs=None, eval_pairs=None, quiet: boo
 
 
 def load_translator(workdir: str, checkpoint="auto", *, weights_dtype: str | None = None,
-                    trust_compiled: bool = False):
+                    trust_compiled: str | os.PathLike | None = None):
   """A `decoding.translator.Translator` for a trained workdir (`decoding.loader.load_translator`;
   `weights_dtype="bfloat16"`: faster on CPUs with AVX512-BF16, see `Translator`;
-  `trust_compiled=True`: a copy of your own workdir, whose compiled decoders
-  this machine then seals and loads: docs/security.md)."""
+  `trust_compiled="keys/laptop.key"`: a copy of your own workdir from the
+  machine whose signing.key that is (or a directory of such `*.key` files):
+  the compiled decoders sealed under it are sealed anew here and loaded,
+  docs/security.md)."""
   from transformer.decoding import loader
   from transformer.runtime import compile_cache
   compile_cache.enable()

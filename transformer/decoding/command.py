@@ -60,7 +60,7 @@ class Request:
   window_lines: int = streaming.WINDOW_LINES
   param_sharding: str = "replicated"
   weights_dtype: str | None = None
-  trust_compiled: bool = False  # --trust_compiled: `loader.load_translator`'s
+  trust_compiled: str | None = None  # --trust_compiled=KEY: `loader.load_translator`'s
   plot_dir: str | None = None  # --plot_attention
   quiet: bool = False
 
@@ -82,6 +82,7 @@ def check_options(request: Request) -> None:
     decoding_options.check_options(
         **{k: v for k, v in request.options.items() if k != "seed"})
     workdir_lib.checkpoint_choice(request.checkpoint)
+    loader.trusted_keys(request.trust_compiled)  # (read again by the loader: 32 bytes)
   except errors.OptionError as e:
     raise UsageError(option_error(e)) from None
 
@@ -141,6 +142,8 @@ def load(request: Request, model: workdir_lib.Workdir):
                                               param_sharding=request.param_sharding,
                                               weights_dtype=request.weights_dtype,
                                               trust_compiled=request.trust_compiled)
+  except errors.OptionError as e:  # (a key file changed since `check_options`)
+    raise UsageError(option_error(e)) from None
   except (OSError, ValueError) as e:
     raise WorkdirError(str(e)) from None
   if info["kind"] == "averaged":

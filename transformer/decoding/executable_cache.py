@@ -53,11 +53,12 @@ found only in the machine's cache is copied there. A workdir copied to Drive,
 a bucket or a serving host of the same kind (the key names the platform,
 devices, CPU flags, versions and code) then starts warm on a machine whose
 cache is empty, where that machine holds the same key (a copy of the key
-file), or after `trust` (`decode.py --trust_compiled`) sealed them anew with
-its own. That directory is kept under MAX_MODEL_BYTES (256 MiB, least
-recently used first; the small-corpus model's decoders for 1,000 lines take
-4-9 MB); it is not used for a workdir that is not local, with several
-processes, with the cache off, or with $TRANSFORMER_WORKDIR_DECODERS=off.
+file), or after `trust` (`decode.py --trust_compiled=KEY`) sealed anew with
+its own key those whose tags verify under KEY, the other machine's. That
+directory is kept under MAX_MODEL_BYTES (256 MiB, least recently used
+first; the small-corpus model's decoders for 1,000 lines take 4-9 MB); it
+is not used for a workdir that is not local, with several processes, with
+the cache off, or with $TRANSFORMER_WORKDIR_DECODERS=off.
 """
 
 from __future__ import annotations
@@ -70,15 +71,17 @@ import logging
 import os
 import pickle
 import platform
+import re
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jaxlib
 
+from transformer.data import received
 from transformer.data.text_io import write_atomically
 from transformer.runtime import compile_cache, signing
 from transformer.runtime import workdir as workdir_lib
@@ -102,6 +105,9 @@ MODEL_SUBDIRECTORY = "compiled"  # in a workdir: its decoders (`model_directory`
 FORMAT = 3  # bump when what a file holds changes (3: sealed, shapes as JSON)
 MAX_BYTES = 2 << 30  # the directory's files beyond this: the least recently used go
 MAX_MODEL_BYTES = 256 << 20  # ... and a workdir's
+# The names this cache writes (`key` + the suffix of what it holds): the only
+# files its pruning removes, whatever else a directory holds.
+FILE_NAMES = re.compile(r"[0-9a-f]{32}\.(bin|shapes|logits_kernel)")
 MODEL_ENV = "TRANSFORMER_WORKDIR_DECODERS"  # "off": no decoders kept in workdirs
 
 
@@ -123,7 +129,15 @@ def model_directory(model) -> Path | None:
   if (path is None or directory() is None or os.environ.get(MODEL_ENV, "") == "off"
       or jax.process_count() > 1 or not workdir_lib.is_local(path)):
     return None
-  return Path(path) / MODEL_SUBDIRECTORY
+  compiled = Path(path) / MODEL_SUBDIRECTORY
+  try:  # (written into and pruned: a real folder of the workdir, never a link out)
+    received.check_directory(compiled, root=path, what="the workdir's compiled decoders")
+  except received.RefusedFile as e:
+    if compiled not in _refused_in:  # (once per workdir and process)
+      _refused_in.add(compiled)
+      logger.warning("%s; no decoder is read or kept there (decoding goes on).", e)
+    return None
+  return compiled
 
 
 def _hash_sources() -> str:
@@ -274,7 +288,7 @@ def _store(where: Path, name: str, stored: bytes, what: str, max_bytes: int,
     # Every change of this package's code, of jax or of the devices makes new
     # keys: without this the directory only grows (900 MB after two days of
     # development on one machine).
-    compile_cache.prune_least_recently_used(where, max_bytes, keep=path)
+    compile_cache.prune_least_recently_used(where, max_bytes, names=FILE_NAMES, keep=path)
   except Exception as e:  # (a read-only or full disk: go on, uncached)
     (logger.info if quiet else logger.warning)(
         "Could not keep the %s in %s (%s: %s).", what, where, type(e).__name__, e)
@@ -303,25 +317,30 @@ def _say_refused(where: Path, path: Path, why: Exception, *, model: bool) -> Non
   if where in _refused_in:
     return
   _refused_in.add(where)
-  if model:
+  if model:  # (what it costs, and how to keep one key: never "trust this workdir")
     logger.warning(
         "%s: compiled decoders that this machine cannot prove it wrote (%s: %s) are not "
-        "loaded; compiling afresh. A copy of your own workdir? --trust_compiled "
-        "(docs/security.md).", where.parent, path.name, why)
+        "loaded; they are compiled afresh here, once, and translate the same. To start warm "
+        "on every machine of yours, give them one key (copy ~/.cache/transformer/signing.key "
+        "to the others with mode 0600, or point $%s at the same key file on each); for a "
+        "copy of your own workdir from another machine, --trust_compiled=<that machine's "
+        "signing.key> (docs/security.md).", where.parent, path.name, why, signing.ENV)
   else:
     logger.warning("%s: files this machine cannot prove it wrote (%s: %s) are not loaded; "
                    "compiling afresh.", where, path.name, why)
 
 
-def trust(model_dir: Path | None) -> int:
-  """Seals anew, with this machine's key, every sealed file in `model_dir`
-  (a workdir's `compiled/`): the explicit act (`decode.py --trust_compiled`,
-  `load_translator(..., trust_compiled=True)`) by which a user says that a
-  workdir copied from a machine of their own holds nothing but what they
-  compiled, so that it starts warm here. Files that are not sealed files
-  are left as they are (and compiled afresh when asked for). Returns how
-  many files were sealed anew; a workdir that cannot be written is said."""
-  if model_dir is None or not model_dir.is_dir():
+def trust(model_dir: Path | None, trusted: Sequence[bytes]) -> int:
+  """Seals anew, with this machine's key, the files in `model_dir` (a
+  workdir's `compiled/`) whose tags verify under one of `trusted`: the keys
+  of the user's other machines (`signing.trusted_keys`), named by the
+  explicit act by which a user adopts a copy of their own workdir
+  (`decode.py --trust_compiled=KEY`, `load_translator(..., trust_compiled=KEY)`)
+  so that it starts warm here. Anything else (another key, a planted pickle,
+  however it starts) is left as it is and compiled afresh when asked for.
+  Returns how many files were sealed anew; a workdir that cannot be written
+  is said."""
+  if model_dir is None or not model_dir.is_dir() or not trusted:
     return 0
   count = 0
   for path in sorted(model_dir.iterdir()):
@@ -331,20 +350,20 @@ def trust(model_dir: Path | None) -> int:
     with contextlib.suppress(signing.NotSealedHere):
       signing.unseal(path.name, stored)
       continue  # (sealed here already)
-    resealed = signing.reseal(path.name, stored)
+    resealed = signing.reseal(path.name, stored, trusted)
     if resealed is None:
       continue
     try:
       write_atomically(str(path), resealed)
     except OSError as e:
       logger.warning("Cannot trust the compiled decoders of %s: it cannot be written (%s); "
-                     "copy your signing key instead (docs/security.md).", model_dir.parent,
-                     e.strerror or e)
+                     "give your machines one key instead (docs/security.md).",
+                     model_dir.parent, e.strerror or e)
       return count
     count += 1
   if count:
-    logger.info("Trusted %d compiled file(s) of %s: sealed with this machine's key.",
-                count, model_dir.parent)
+    logger.info("Trusted %d compiled file(s) of %s: their seals verified under the key "
+                "given, sealed with this machine's key.", count, model_dir.parent)
   return count
 
 

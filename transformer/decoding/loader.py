@@ -17,10 +17,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from transformer import model
+from transformer.model import param_size
 from transformer.data.tokenizer import load_tokenizer
 from transformer.decoding import executable_cache, serving_params
 from transformer.decoding.translator import Translator
-from transformer.runtime import errors, parallel, signing
+from transformer.runtime import errors, model_memory, parallel, signing
 from transformer.runtime import workdir as workdir_lib
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,10 @@ def load_translator(workdir: str | os.PathLike | workdir_lib.Workdir,
                      "vocabulary")
   model_dir = executable_cache.model_directory(workdir)
   executable_cache.trust(model_dir, trusted)
-  target = param_shapes(model_config, model_dir)
+  sharded_over = len(jax.local_devices()) if param_sharding == "fsdp" else 1
+  target = param_shapes(model_config, model_dir, fits=lambda size: model_memory.check_fits(
+      model_config, str(workdir.path / workdir_lib.MODEL_CONFIG_FILE), "decoding",
+      sharded_over=sharded_over, size=size))
   if param_sharding == "fsdp":
     mesh = Mesh(np.array(jax.local_devices()), (parallel.DATA_AXIS,))
     target = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -111,17 +115,30 @@ def trusted_keys(trust_compiled: str | os.PathLike | None) -> list[bytes]:
   return signing.trusted_keys(trust_compiled)
 
 
-def param_shapes(model_config, model_dir=None):
+def param_shapes(model_config, model_dir=None, fits=None):
   """The parameters' shapes (`jax.ShapeDtypeStruct`s), traced from the model
   once and then kept with the compiled decoders, in the machine's cache and
   in `model_dir` (a workdir's `compiled/`): a trace of the whole model at
   every start otherwise. `model.init_params` is imported only then
   (`transformer.model.__getattr__`); the key's random key by its shape alone
-  (making one compiles a small program)."""
-  return executable_cache.load_or_eval_shape(
-      {"model": model_config.to_dict(), "of": "init_params"},
-      lambda rng: model.init_params(model_config, rng), jax.eval_shape(jax.random.key, 0),
-      model_dir=model_dir)
+  (making one compiles a small program). `fits(size)`, where given, sees the
+  parameters' `param_size.ParameterSize` before any is allocated, and may
+  refuse them (`model_memory.check_fits`): from the shapes, kept or traced
+  (`jax.eval_shape` allocates nothing), and, for a model too deep to trace
+  quickly (40 s for 512 + 512 layers), from three shallow traces first
+  (`param_size.parameter_size`, `param_size.QUICK_TRACE_LAYERS`)."""
+  def init(rng):
+    depth = model_config.num_encoder_layers + model_config.num_decoder_layers
+    if fits is not None and depth > param_size.QUICK_TRACE_LAYERS:
+      fits(param_size.parameter_size(model_config))
+    return model.init_params(model_config, rng)
+
+  shapes = executable_cache.load_or_eval_shape(
+      {"model": model_config.to_dict(), "of": "init_params"}, init,
+      jax.eval_shape(jax.random.key, 0), model_dir=model_dir)
+  if fits is not None:
+    fits(param_size.tree_size(shapes))
+  return shapes
 
 
 def _restore(workdir: workdir_lib.Workdir, target) -> tuple[dict, dict]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from transformer.data import marian_tokenizer
 from transformer.model.config import TransformerConfig
+from transformer.runtime import model_memory
 
 LAYER_NORM_EPSILON = 1e-5  # torch's, which Hugging Face's Marian and CTranslate2 use
 MAX_LEN = 512              # Hugging Face's max_position_embeddings for OPUS-MT
@@ -100,6 +101,7 @@ def read_hf_directory(path: str) -> MarianModel:
   except (KeyError, TypeError, ValueError) as e:  # (a field missing or of another type)
     raise MarianImportError(f"{where}: not the config of a Marian model this importer reads "
                             f"({type(e).__name__}: {str(e)[:200]})") from None
+  model_memory.check_fits(config, where, "importing")  # (before a weight is read)
   weights_file = os.path.join(path, "model.safetensors")
   try:
     tensors = load_file(weights_file)

@@ -6,8 +6,11 @@ the files `decoder.yml` names only inside the release (docs/security.md)."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import zipfile
+import zlib
 
 import numpy as np
 
@@ -15,6 +18,13 @@ from transformer.data import marian_tokenizer
 from transformer.interop.marian_formats import (MarianImportError, MarianModel, _activation,
                                                 _read, marian_config)
 from transformer.model.config import TransformerConfig
+from transformer.model.param_size import ParameterSize
+from transformer.runtime import model_memory
+
+OPTIONS = "special:model.yml"  # the .npz member that holds the model's options
+MAX_OPTIONS_BYTES = 1 << 20    # (Marian writes a few KiB)
+MAX_MEMBERS = 1 << 16          # (512 + 512 layers have about 21,500 parameters)
+NPY_HEADER_BYTES = 1 << 10     # a member's .npy header, at most (numpy writes 128 bytes)
 
 
 def read_marian_release(path: str) -> MarianModel:
@@ -37,49 +47,142 @@ def read_marian_release(path: str) -> MarianModel:
     raise MarianImportError(f"{decoder_yml}: separate source and target vocabularies are not "
                        "supported: this model has one vocabulary for both sides")
   marian_tokenizer.check_marian_pieces(vocabs[0], vocab_files[0])
-  try:  # (never a pickle: allow_pickle=False refuses one, and object arrays, unread)
-    with np.load(model_file, allow_pickle=False) as npz:
-      weights = {name: npz[name] for name in npz.files if not name.startswith("special:")}
-      options = _npz_options(npz, model_file)
-  except MarianImportError:
-    raise
-  except (OSError, ValueError, AttributeError, EOFError, zipfile.BadZipFile) as e:
-    raise MarianImportError(f"{model_file} is not a Marian .npz model this importer can "
-                            f"read ({type(e).__name__}: {str(e)[:200]})") from None
-  if not all(w.dtype.kind == "f" for w in weights.values()):
-    raise MarianImportError(f"{model_file}: its parameters must be floating-point arrays")
-  try:
-    config = _config_from_options(options, len(vocabs[0]), weights, model_file)
-  except MarianImportError:
-    raise
-  except (KeyError, TypeError, ValueError) as e:  # (an option missing or of another type)
-    raise MarianImportError(f"{model_file}: its options (special:model.yml) are not those of "
-                            f"a Marian transformer ({type(e).__name__}: {str(e)[:200]})") from None
+  # Sizes before contents: the options and the config they give, what that
+  # model weighs against this machine, then every array's declared size, and
+  # only then are the arrays inflated (`_check_arrays`: a zip bomb).
+  with _open_npz(model_file) as npz:
+    members = _members(npz, model_file)
+    options = _npz_options(npz, members, model_file)
+    config = _release_config(options, len(vocabs[0]), members, model_file)
+    size = model_memory.check_fits(config, model_file, "importing")
+    _check_arrays(npz, members, size, config, model_file)
+    weights = _read_arrays(npz, members)
   # Marian-NMT starts the decoder from a zero vector (no start token).
   return MarianModel(weights, config, vocabs[0], _read(path, "source.spm"),
                      _read(path, "target.spm"), origin=os.path.abspath(path),
                      decoder_start=np.zeros(config.d_model, np.float32))
 
 
-def _npz_options(npz, where: str) -> dict:
+@contextlib.contextmanager
+def _open_npz(model_file: str):
+  """The .npz `model_file` opened (np.load reads only its zip directory);
+  never a pickle: allow_pickle=False refuses one, and object arrays, unread.
+  What the zip or numpy raise while it is read is one sentence naming it."""
+  try:
+    npz = np.load(model_file, allow_pickle=False)
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+      raise ValueError("an .npy array, not an .npz archive")
+    with npz:
+      yield npz
+  except (MarianImportError, model_memory.ModelTooLarge):
+    raise
+  except (OSError, ValueError, AttributeError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+    raise MarianImportError(f"{model_file} is not a Marian .npz model this importer can "
+                            f"read ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _members(npz, where: str) -> dict[str, zipfile.ZipInfo]:
+  """The archive's members by array name (np.load's: without ".npy"), from
+  its zip directory; refused: more than MAX_MEMBERS, or more compressed
+  bytes than the file holds (truncated, or not what it says)."""
+  infos = npz.zip.infolist()
+  if len(infos) > MAX_MEMBERS:
+    raise MarianImportError(f"{where} has {len(infos):,} members, more than the "
+                            f"{MAX_MEMBERS:,} a Marian model of any size has")
+  compressed, file_bytes = sum(i.compress_size for i in infos), os.path.getsize(where)
+  if compressed > file_bytes:
+    raise MarianImportError(f"{where}: its members claim {compressed:,} bytes, more than the "
+                            f"file's {file_bytes:,}: it is truncated or not an .npz archive")
+  return {i.filename.removesuffix(".npy"): i for i in infos}
+
+
+def _npz_options(npz, members: dict, where: str) -> dict:
   import yaml
 
-  if "special:model.yml" not in npz.files:
-    raise MarianImportError(f"{where}: no 'special:model.yml' (the model's options)")
-  raw = np.asarray(npz["special:model.yml"]).astype(np.uint8).tobytes().rstrip(b"\0")
+  if OPTIONS not in members:
+    raise MarianImportError(f"{where}: no '{OPTIONS}' (the model's options)")
+  _check_array(npz, members[OPTIONS], MAX_OPTIONS_BYTES, where, floats=False)
+  raw = np.asarray(npz[OPTIONS]).astype(np.uint8).tobytes().rstrip(b"\0")
   try:
     options = yaml.safe_load(raw.decode("utf-8"))
   except (UnicodeDecodeError, yaml.YAMLError) as e:
-    raise MarianImportError(f"{where}: its 'special:model.yml' is not YAML "
+    raise MarianImportError(f"{where}: its '{OPTIONS}' is not YAML "
                             f"({' '.join(str(e).split())[:200]})") from None
   if not isinstance(options, dict):
-    raise MarianImportError(f"{where}: its 'special:model.yml' is not a mapping of options")
+    raise MarianImportError(f"{where}: its '{OPTIONS}' is not a mapping of options")
   return options
 
 
-def _config_from_options(options: dict, vocab_size: int, weights: dict,
-                         where: str) -> TransformerConfig:
-  """Marian-NMT's model options -> TransformerConfig, refusing what differs."""
+def _release_config(options: dict, vocab_size: int, names, where: str) -> TransformerConfig:
+  """`_config_from_options`, whose errors name `where`."""
+  try:
+    return _config_from_options(options, vocab_size, names, where)
+  except MarianImportError:
+    raise
+  except (KeyError, TypeError, ValueError) as e:  # (an option missing or of another type)
+    raise MarianImportError(f"{where}: its options ({OPTIONS}) are not those of a Marian "
+                            f"transformer ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _check_arrays(npz, members: dict, size: ParameterSize, config: TransformerConfig,
+                  where: str) -> None:
+  """Refuses, before any is inflated, arrays that declare more bytes than the
+  parameters `config` describes (`size`, this project's model, which has a
+  few more rows than Marian's, plus each member's .npy header), or that are
+  not floating-point .npy arrays of exactly their declared size."""
+  arrays = {name: info for name, info in members.items() if not name.startswith("special:")}
+  declared = sum(info.file_size for info in arrays.values())
+  most = size.bytes + NPY_HEADER_BYTES * len(arrays)
+  if declared > most:
+    largest = max(arrays, key=lambda name: arrays[name].file_size)
+    raise MarianImportError(
+        f"{where}: its arrays inflate to {model_memory.format_bytes(declared)} (the largest, "
+        f"{largest}, to {model_memory.format_bytes(arrays[largest].file_size)} from "
+        f"{model_memory.format_bytes(arrays[largest].compress_size)}), more than the "
+        f"{model_memory.format_bytes(most)} of the parameters its options describe "
+        f"({model_memory.describe(config)}): it is not that model's parameter file (a zip "
+        "bomb?); use the release's own model file.")
+  for info in arrays.values():
+    _check_array(npz, info, most, where, floats=True)
+
+
+def _check_array(npz, info: zipfile.ZipInfo, most: int, where: str, *, floats: bool) -> None:
+  """Refuses the member `info` unless it declares at most `most` bytes and its
+  .npy header (read alone: numpy allocates what the header declares before it
+  reads a byte) declares an array of exactly the member's size, of
+  floating-point numbers with `floats`."""
+  name = info.filename.removesuffix(".npy")
+  if info.file_size > most:
+    raise MarianImportError(
+        f"{where}: its member {name} inflates to {model_memory.format_bytes(info.file_size)}, "
+        f"more than the {model_memory.format_bytes(most)} it may hold (a zip bomb?); use "
+        "the release's own model file.")
+  readers = {(1, 0): np.lib.format.read_array_header_1_0,
+             (2, 0): np.lib.format.read_array_header_2_0}
+  with npz.zip.open(info) as member:
+    version = np.lib.format.read_magic(member)
+    if version not in readers:
+      raise ValueError(f"{name}: .npy format version {version}")
+    shape, _, dtype = readers[version](member)
+    header_bytes = member.tell()
+  data_bytes = math.prod(shape) * dtype.itemsize
+  if header_bytes + data_bytes != info.file_size:
+    raise MarianImportError(
+        f"{where}: its member {name} declares a {dtype} array of shape {shape[:8]} "
+        f"({data_bytes:,} bytes) but holds {info.file_size - header_bytes:,} bytes")
+  if floats and dtype.kind != "f":
+    raise MarianImportError(f"{where}: its member {name} is an array of {dtype}; the "
+                            "parameters must be floating-point arrays")
+
+
+def _read_arrays(npz, members: dict) -> dict[str, np.ndarray]:
+  """The parameters, inflated now that their sizes are known (`_check_arrays`)."""
+  return {name: npz[name] for name in members if not name.startswith("special:")}
+
+
+def _config_from_options(options: dict, vocab_size: int, names, where: str) -> TransformerConfig:
+  """Marian-NMT's model options -> TransformerConfig, refusing what differs;
+  `names`: the parameters' names (which embeddings and outputs it has)."""
   def need(ok, problem):
     if not ok:
       raise MarianImportError(f"{where}: {problem}")
@@ -110,8 +213,8 @@ def _config_from_options(options: dict, vocab_size: int, weights: dict,
       num_encoder_layers=int(options["enc-depth"]), num_decoder_layers=int(options["dec-depth"]),
       activation=_activation(options.get("transformer-ffn-activation", "swish"), where),
       normalization="pre" if layout[0] == "n" else "post",
-      share_embeddings="Wemb" in weights,
-      logits_via_embedding="decoder_ff_logit_out_Wt" not in weights,
+      share_embeddings="Wemb" in names,
+      logits_via_embedding="decoder_ff_logit_out_Wt" not in names,
       dropout_rate=float(options.get("transformer-dropout", 0.1)),
       attention_dropout_rate=float(options.get("transformer-dropout-attention", 0.0)))
 

@@ -15,6 +15,12 @@ used (anyone who can read it can forge a tag): nothing is then loaded, and a
 warning says how to fix it. Copying the key to another machine of one's own
 makes it trust what this one sealed (docs/security.md).
 
+Trust is a key, never a file: a workdir copied from another machine of the
+user's own, sealed under that machine's key, is adopted only by naming that
+key (`trusted_keys`, `decode.py --trust_compiled=KEY`): a file is sealed
+anew here (`reseal`) only if its tag verifies under it. A file's own say-so
+(that it starts like a sealed file) is worth nothing: anyone can write that.
+
 A sealed file::
 
     MAGIC | tag (32 bytes) = HMAC-SHA256(key, name + b"\\0" + payload) | payload
@@ -25,6 +31,7 @@ file sealed as one decoder cannot be renamed to stand for another.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import hmac
@@ -32,7 +39,10 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Sequence
 from pathlib import Path
+
+from transformer.runtime import errors
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,9 @@ KEY_FILE = "signing.key"
 KEY_BYTES = 32
 MAGIC = b"transformer-sealed-1\n"
 TAG_BYTES = hashlib.sha256().digest_size
+TRUST_OPTION = "trust_compiled"  # the option that names trusted keys (`trusted_keys`)
+KEYRING_SUFFIX = ".key"  # a keyring directory's key files
+MAX_KEYRING_ENTRIES = 256  # (a keyring holds one key per machine of the user's)
 
 
 def key_path() -> Path:
@@ -130,12 +143,101 @@ def unseal(name: str, stored: bytes) -> bytes:
   return payload
 
 
-def reseal(name: str, stored: bytes) -> bytes | None:
-  """`stored` (a sealed file, under any key) sealed anew with this machine's
-  key: what `--trust_compiled` does to a workdir's files. None when
-  `stored` is not a sealed file or there is no key."""
+def reseal(name: str, stored: bytes, trusted: Sequence[bytes]) -> bytes | None:
+  """`stored` sealed anew with this machine's key if its tag verifies under
+  one of `trusted` (keys of the user's other machines, `trusted_keys`) and
+  `name`: what `--trust_compiled=KEY` does to a workdir's files. None for
+  anything else (not a sealed file, another key, changed bytes) and without
+  a key here."""
   parts = _split(stored)
-  return None if parts is None else seal(name, parts[1])
+  if parts is None:
+    return None
+  tag, payload = parts
+  if not any(hmac.compare_digest(tag, _tag(key, name, payload)) for key in trusted):
+    return None
+  return seal(name, payload)
+
+
+def trusted_keys(path: str | os.PathLike) -> list[bytes]:
+  """The keys `path` holds: a key file (another machine's 32-byte
+  `signing.key`) or a keyring, a directory whose files named `*.key` are
+  each one (at most MAX_KEYRING_ENTRIES entries). Only regular files are
+  read, no link followed, nothing opened that could block (a FIFO); a file
+  or keyring that group or others can write is refused: someone else could
+  have put their key there. Raises `errors.OptionError` (TRUST_OPTION) whose
+  problem is one sentence saying what is wrong."""
+  def refuse(problem):
+    return errors.OptionError(TRUST_OPTION, os.fspath(path), problem)
+  try:
+    fd = _open_key(path)
+  except OSError as e:
+    raise refuse(f"the path {_open_problem(e)}") from None
+  try:
+    info = os.fstat(fd)
+    if not stat.S_ISDIR(info.st_mode):
+      return [_read_key(fd, info, "the key file", refuse)]
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+      raise refuse("the keyring can be written by group or others, so someone else could "
+                   "have put their key there (chmod go-w it)")
+    return _read_keyring(fd, refuse)
+  finally:
+    os.close(fd)
+
+
+def _open_key(name: str | os.PathLike, dir_fd: int | None = None) -> int:
+  """A descriptor of `name`, never through a link (O_NOFOLLOW) and never
+  waiting on a FIFO's writer (O_NONBLOCK)."""
+  return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 dir_fd=dir_fd)
+
+
+def _open_problem(e: OSError) -> str:
+  if e.errno == errno.ELOOP:
+    return "is a symbolic link, which is not followed (name the key file or keyring itself)"
+  if e.errno == errno.ENOENT:
+    return ("does not exist (name the signing.key copied from the machine whose "
+            "compiled decoders you trust)")
+  return f"cannot be opened ({e.strerror or e})"
+
+
+def _read_key(fd: int, info: os.stat_result, what: str, refuse) -> bytes:
+  """The key in the open file `fd` (`info`: its fstat), or `refuse(problem)`
+  raised: not a regular file, readable or writable by others, not KEY_BYTES long."""
+  if not stat.S_ISREG(info.st_mode):
+    raise refuse(f"{what} is not a regular file (a FIFO, a device, a socket or a directory)")
+  if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):  # (as this machine's own key)
+    raise refuse(f"{what} can be read or written by group or others, so someone else could "
+                 "forge its seals or put their key there (chmod 600 it)")
+  key = os.read(fd, KEY_BYTES + 1) if info.st_size == KEY_BYTES else b""
+  if len(key) != KEY_BYTES:
+    raise refuse(f"{what} holds {info.st_size} bytes, not a {KEY_BYTES}-byte signing.key")
+  return key
+
+
+def _read_keyring(fd: int, refuse) -> list[bytes]:
+  """The keys of the keyring directory open as `fd`: every entry named
+  `*.key`, each read as `_read_key` reads a key file."""
+  with os.scandir(fd) as entries:
+    names = []
+    for entry in entries:
+      if len(names) == MAX_KEYRING_ENTRIES:
+        raise refuse(f"the keyring has more than {MAX_KEYRING_ENTRIES} entries: it should "
+                     f"hold one {KEYRING_SUFFIX} file per machine of yours")
+      names.append(entry.name)
+  keys = []
+  for name in sorted(n for n in names if n.endswith(KEYRING_SUFFIX)):
+    try:
+      key_fd = _open_key(name, dir_fd=fd)
+    except OSError as e:
+      raise refuse(f"its {name} {_open_problem(e)}") from None
+    try:
+      keys.append(_read_key(key_fd, os.fstat(key_fd), f"its {name}", refuse))
+    finally:
+      os.close(key_fd)
+  if not keys:
+    raise refuse(f"the keyring holds no {KEYRING_SUFFIX} file (it holds the signing.key "
+                 f"of each machine of yours, e.g. as laptop{KEYRING_SUFFIX})")
+  return keys
 
 
 def _split(stored: bytes) -> tuple[bytes, bytes] | None:

@@ -17,7 +17,7 @@ from transformer.data import received
 from transformer.data import sources as data_sources
 from transformer.data import tokenizer as tokenizer_lib
 from transformer.model.config import TransformerConfig
-from transformer.runtime import multihost, parallel
+from transformer.runtime import model_memory, multihost, parallel
 from transformer.runtime import workdir as workdir_lib
 from transformer.runtime import workdir_records
 from transformer.decoding.options import PAPER_LENGTH_PENALTY
@@ -224,11 +224,16 @@ def _check_schedule(config) -> None:
 
 def load_init_from_config(config) -> TransformerConfig:
   """The model config of the workdir config.init_from names, once it is known
-  to hold a model config, a vocabulary and a checkpoint; ValueError naming the
-  option otherwise (before this run reads or trains anything)."""
+  to hold a model config, a vocabulary and a checkpoint, and that this
+  machine can fine-tune it (`model_memory.check_fits`); ValueError naming the
+  option otherwise (before this run reads, trains or allocates anything)."""
   source = config.init_from
   try:
-    return workdir_lib.read(source, "auto").model_config
+    model = workdir_lib.read(source, "auto")
+    sharded = config.get("state_sharding", "replicated") == "fsdp"
+    model_memory.check_fits(model.model_config, str(model.path / workdir_lib.MODEL_CONFIG_FILE),
+                            "fine-tuning", sharded_over=jax.device_count() if sharded else 1)
+    return model.model_config
   except (OSError, ValueError) as e:
     raise ValueError(f"config.init_from={source}: {e}") from None
 
