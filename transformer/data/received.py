@@ -27,10 +27,12 @@ through etils.epath with the same size limit.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
 import stat
+from typing import BinaryIO
 from etils import epath
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -108,22 +110,27 @@ def _limit(kind: str, limit: int | None) -> int:
   return LIMITS[kind] if limit is None else limit
 
 
-def read_bytes(path: str | os.PathLike, *, root: str | os.PathLike | None, kind: str,
-               what: str | None = None, limit: int | None = None) -> bytes:
-  """The bytes of the received file `path`, a `kind` of file (`LIMITS`; or
-  `limit` bytes at most), `what` naming it in sentences (default: `kind`).
+def open_file(path: str | os.PathLike, *, root: str | os.PathLike | None, kind: str,
+              what: str | None = None, limit: int | None = None) -> BinaryIO:
+  """The received file `path` opened for reading, once checked: inside
+  `root` (links resolved), a regular file, of at most the size of its `kind`
+  (`LIMITS`; or `limit` bytes; kind "weights": no limit here, since the
+  caller bounds every array by the model's config before reading it).
+  `what` names it in sentences (default: `kind`).
 
-  Raises FileNotFoundError where there is no such file, and `RefusedFile` for
-  a link out of `root`, anything but a regular file, or a file over the limit.
+  Raises FileNotFoundError where there is no such file, and `RefusedFile`
+  for a link out of `root`, anything but a regular file, or a file over the
+  limit.
   """
-  path, what, limit = os.fspath(path), what or kind, _limit(kind, limit)
+  path, what = os.fspath(path), what or kind
+  limit = None if kind == "weights" and limit is None else _limit(kind, limit)
   if is_address(path):
-    with epath.Path(path).open("rb") as f:
-      data = f.read(limit + 1)
-    if len(data) > limit:
-      raise RefusedFile(f"{path} ({what}) is larger than {_size(limit)}, more than such a "
-                        "file holds: not read")
-    return data
+    f = epath.Path(path).open("rb")
+    size = getattr(f, "size", None)  # (object stores: checked as it is read, below)
+    if limit is not None and isinstance(size, int) and size > limit:
+      f.close()
+      raise _too_large(path, what, size, limit)
+    return f
   real = _resolve_inside(path, root, what)
   try:  # (O_NONBLOCK: opening a FIFO for reading never waits for a writer)
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -131,18 +138,40 @@ def read_bytes(path: str | os.PathLike, *, root: str | os.PathLike | None, kind:
     raise FileNotFoundError(f"{path} not found") from None
   except OSError as e:
     raise RefusedFile(f"{path} ({what}) cannot be opened ({e.strerror or e})") from None
-  with os.fdopen(fd, "rb") as f:
-    info = os.fstat(f.fileno())
-    if not stat.S_ISREG(info.st_mode):
-      raise RefusedFile(f"{path} ({what}) is {_kind(info.st_mode)}, not a regular file: "
-                        "not read")
-    if info.st_size > limit:
-      raise RefusedFile(f"{path} ({what}) holds {_size(info.st_size)}, more than such a "
-                        f"file holds ({_size(limit)} at most): not read")
-    data = f.read(limit + 1)  # (a file that grows while read stops at the limit too)
+  f = os.fdopen(fd, "rb")
+  info = os.fstat(f.fileno())
+  if not stat.S_ISREG(info.st_mode):
+    f.close()
+    raise RefusedFile(f"{path} ({what}) is {_kind(info.st_mode)}, not a regular file: "
+                      "not read")
+  if limit is not None and info.st_size > limit:
+    f.close()
+    raise _too_large(path, what, info.st_size, limit)
+  return f
+
+
+def read_bytes(path: str | os.PathLike, *, root: str | os.PathLike | None, kind: str,
+               what: str | None = None, limit: int | None = None) -> bytes:
+  """The bytes of the received file `path` (`open_file` says what is
+  checked); the read itself stops at the limit (a file that grows)."""
+  limit = _limit(kind, limit)
+  with open_file(path, root=root, kind=kind, what=what, limit=limit) as f:
+    try:  # (not `limit` + 1: read() allocates what it is asked for, then shrinks)
+      size = os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):  # (an object store's file)
+      size = limit
+    data = f.read(min(size, limit) + 1)
+    if len(data) == size + 1 and size < limit:  # (it grew while read: read to the limit)
+      data += f.read(limit - size)
   if len(data) > limit:
-    raise RefusedFile(f"{path} ({what}) grew past {_size(limit)} while read: not read")
+    raise _too_large(os.fspath(path), what or kind, len(data), limit)
   return data
+
+
+def _too_large(path: str, what: str, size: int, limit: int) -> RefusedFile:
+  return RefusedFile(f"{path} ({what}) holds {'more than ' if size == limit + 1 else ''}"
+                     f"{_size(size)}, more than such a file holds ({_size(limit)} at most): "
+                     "not read")
 
 
 def read_text(path: str | os.PathLike, **kwargs) -> str:

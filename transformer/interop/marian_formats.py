@@ -16,18 +16,21 @@ onto this project's parameters and writes the workdir.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import numpy as np
 
-from transformer.data import marian_tokenizer
+from transformer.data import marian_tokenizer, received
 from transformer.model.config import TransformerConfig
 from transformer.runtime import model_memory
 
 LAYER_NORM_EPSILON = 1e-5  # torch's, which Hugging Face's Marian and CTranslate2 use
 MAX_LEN = 512              # Hugging Face's max_position_embeddings for OPUS-MT
 HF_FILES = ("config.json", "model.safetensors", "source.spm", "target.spm", "vocab.json")
+# model.safetensors may hold up to twice the parameters' float32 bytes (an
+# untied copy of the embedding, float64 at worst) and this much more: its
+# header, position tables, final_logits_bias.
+WEIGHTS_MARGIN_BYTES = 64 << 20
 
 @dataclasses.dataclass
 class MarianModel:
@@ -93,7 +96,7 @@ def read_hf_directory(path: str) -> MarianModel:
 
   _check_hf_files(path)
   where = os.path.join(path, "config.json")
-  hf = _json_object(where)
+  hf = _json_object(where, path, "config")
   try:
     config, pieces, share, tied, pad = _hf_config(path, hf, where)
   except MarianImportError:
@@ -101,8 +104,12 @@ def read_hf_directory(path: str) -> MarianModel:
   except (KeyError, TypeError, ValueError) as e:  # (a field missing or of another type)
     raise MarianImportError(f"{where}: not the config of a Marian model this importer reads "
                             f"({type(e).__name__}: {str(e)[:200]})") from None
-  model_memory.check_fits(config, where, "importing")  # (before a weight is read)
+  size = model_memory.check_fits(config, where, "importing")  # (before a weight is read)
   weights_file = os.path.join(path, "model.safetensors")
+  # (regular, inside the model's folder, at most the parameters' own bytes
+  # in float32 plus its header and position tables: what safetensors maps)
+  received.open_file(weights_file, root=path, kind="weights",
+                     limit=2 * size.bytes + WEIGHTS_MARGIN_BYTES).close()
   try:
     tensors = load_file(weights_file)
   except Exception as e:  # (safetensors' SafetensorError: a header or size that is wrong)
@@ -122,7 +129,7 @@ def _hf_config(path: str, hf: dict, where: str):
   Marian directory's config.json (`hf`) and vocab.json."""
   if hf.get("model_type") != "marian":
     raise MarianImportError(f"{where}: model_type {hf.get('model_type')!r}, not 'marian'")
-  vocab = _json_object(os.path.join(path, "vocab.json"))
+  vocab = _json_object(os.path.join(path, "vocab.json"), path, "vocabulary")
   if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
     raise MarianImportError(f"{os.path.join(path, 'vocab.json')}: expected piece: id pairs, "
                             "the ids integers")
@@ -273,11 +280,13 @@ def marian_position_table(length: int, d_model: int) -> np.ndarray:
 # ----------------------------------------------------------------------------
 
 
-def _json_object(path: str) -> dict:
-  """The JSON object in `path`; MarianImportError naming it otherwise."""
+def _json_object(path: str, root: str, kind: str) -> dict:
+  """The JSON object in `path`, a file of the model's folder `root` and of
+  `kind` (`received.LIMITS`); MarianImportError naming it otherwise."""
   try:
-    with open(path, encoding="utf-8") as f:
-      value = json.load(f)
+    value = received.read_json(path, root=root, kind=kind)
+  except received.RefusedFile:
+    raise
   except ValueError as e:  # (UnicodeDecodeError among them)
     raise MarianImportError(f"{path} is not valid JSON ({e})") from None
   if not isinstance(value, dict):
@@ -286,5 +295,6 @@ def _json_object(path: str) -> dict:
 
 
 def _read(path: str, name: str) -> bytes:
-  with open(os.path.join(path, name), "rb") as f:
-    return f.read()
+  """The SentencePiece model `name` of the model's folder `path`."""
+  return received.read_bytes(os.path.join(path, name), root=path, kind="vocabulary",
+                             what="a SentencePiece model")

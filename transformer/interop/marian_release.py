@@ -7,6 +7,7 @@ the files `decoder.yml` names only inside the release (docs/security.md)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import zipfile
@@ -14,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from transformer.data import marian_tokenizer
+from transformer.data import marian_tokenizer, received
 from transformer.interop.marian_formats import (MarianImportError, MarianModel, _activation,
                                                 _read, marian_config)
 from transformer.model.config import TransformerConfig
@@ -42,7 +43,7 @@ def read_marian_release(path: str) -> MarianModel:
     if not os.path.exists(name):
       raise MarianImportError(f"{path}: {os.path.basename(name)} is missing (named by "
                          f"{decoder_yml}, or the SentencePiece model of a side)")
-  vocabs = [load_marian_vocab(v) for v in vocab_files]
+  vocabs = [load_marian_vocab(v, path) for v in vocab_files]
   if any(v != vocabs[0] for v in vocabs):
     raise MarianImportError(f"{decoder_yml}: separate source and target vocabularies are not "
                        "supported: this model has one vocabulary for both sides")
@@ -50,7 +51,7 @@ def read_marian_release(path: str) -> MarianModel:
   # Sizes before contents: the options and the config they give, what that
   # model weighs against this machine, then every array's declared size, and
   # only then are the arrays inflated (`_check_arrays`: a zip bomb).
-  with _open_npz(model_file) as npz:
+  with _open_npz(model_file, path) as npz:
     members = _members(npz, model_file)
     options = _npz_options(npz, members, model_file)
     config = _release_config(options, len(vocabs[0]), members, model_file)
@@ -64,17 +65,21 @@ def read_marian_release(path: str) -> MarianModel:
 
 
 @contextlib.contextmanager
-def _open_npz(model_file: str):
-  """The .npz `model_file` opened (np.load reads only its zip directory);
-  never a pickle: allow_pickle=False refuses one, and object arrays, unread.
-  What the zip or numpy raise while it is read is one sentence naming it."""
+def _open_npz(model_file: str, root: str):
+  """The .npz `model_file` of the release folder `root` opened
+  (`received.open_file`: inside it, a regular file; np.load reads only its
+  zip directory, and every member is bounded by the config before it is
+  inflated); never a pickle: allow_pickle=False refuses one, and object
+  arrays, unread. What the zip or numpy raise while it is read is one
+  sentence naming it."""
   try:
-    npz = np.load(model_file, allow_pickle=False)
+    npz = np.load(received.open_file(model_file, root=root, kind="weights",
+                                     what="the Marian model"), allow_pickle=False)
     if not isinstance(npz, np.lib.npyio.NpzFile):
       raise ValueError("an .npy array, not an .npz archive")
     with npz:
       yield npz
-  except (MarianImportError, model_memory.ModelTooLarge):
+  except (MarianImportError, model_memory.ModelTooLarge, received.RefusedFile):
     raise
   except (OSError, ValueError, AttributeError, EOFError, zipfile.BadZipFile, zlib.error) as e:
     raise MarianImportError(f"{model_file} is not a Marian .npz model this importer can "
@@ -219,42 +224,44 @@ def _config_from_options(options: dict, vocab_size: int, names, where: str) -> T
       attention_dropout_rate=float(options.get("transformer-dropout-attention", 0.0)))
 
 
-def load_marian_vocab(path: str) -> list[str]:
-  """A Marian vocabulary `.yml` (piece: id per line) -> pieces in id order.
+def load_marian_vocab(path: str, root: str | None = None) -> list[str]:
+  """A Marian vocabulary `.yml` (piece: id per line) -> pieces in id order;
+  `root`: the release folder it must lie in (default: its own folder).
 
   Parsed line by line, as Marian writes it (PyYAML reads some pieces, e.g.
   'yes', '~' or '1.0', as other things than strings)."""
   import yaml
 
   entries, complex_key = {}, None
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      line = line.rstrip("\n\r")
-      if not line.strip():
-        continue
-      if line.startswith("? "):  # a long key: "? <piece>", then ": <id>"
-        complex_key = line[2:]
-        continue
-      if complex_key is not None:
-        key, sep, value = complex_key, ":", line.removeprefix(":")
-        complex_key = None
-      else:
-        key, sep, value = line.rpartition(":")
+  text = received.read_text(path, root=root or os.path.dirname(path), kind="vocabulary",
+                            what="a Marian vocabulary")
+  for number, line in enumerate(io.StringIO(text, newline=None), 1):  # (as open() splits)
+    line = line.rstrip("\n\r")
+    if not line.strip():
+      continue
+    if line.startswith("? "):  # a long key: "? <piece>", then ": <id>"
+      complex_key = line[2:]
+      continue
+    if complex_key is not None:
+      key, sep, value = complex_key, ":", line.removeprefix(":")
+      complex_key = None
+    else:
+      key, sep, value = line.rpartition(":")
+    try:
+      index = int(value)
+    except ValueError:
+      index = None
+    if not sep or index is None:
+      raise MarianImportError(f"{path}, line {number}: expected '<piece>: <id>', got {line!r}")
+    if key.startswith(('"', "'")):  # quoted: YAML's own rules for the string
       try:
-        index = int(value)
-      except ValueError:
-        index = None
-      if not sep or index is None:
-        raise MarianImportError(f"{path}, line {number}: expected '<piece>: <id>', got {line!r}")
-      if key.startswith(('"', "'")):  # quoted: YAML's own rules for the string
-        try:
-          key = yaml.safe_load(key)
-        except yaml.YAMLError:
-          key = None
-        if not isinstance(key, str):
-          raise MarianImportError(f"{path}, line {number}: {line[:80]!r} is not a quoted "
-                                  "piece")
-      entries[index] = key
+        key = yaml.safe_load(key)
+      except yaml.YAMLError:
+        key = None
+      if not isinstance(key, str):
+        raise MarianImportError(f"{path}, line {number}: {line[:80]!r} is not a quoted "
+                                "piece")
+    entries[index] = key
   if sorted(entries) != list(range(len(entries))):
     raise MarianImportError(f"{path}: its ids are not 0 ... {len(entries) - 1}")
   return [entries[i] for i in range(len(entries))]
@@ -265,8 +272,10 @@ def _yaml(path: str) -> dict:
   import yaml
 
   try:
-    with open(path, encoding="utf-8") as f:
-      value = yaml.safe_load(f)
+    value = yaml.safe_load(received.read_text(path, root=os.path.dirname(path), kind="config",
+                                              what="a Marian config"))
+  except received.RefusedFile:
+    raise
   except (UnicodeDecodeError, yaml.YAMLError) as e:
     raise MarianImportError(f"{path} is not YAML ({' '.join(str(e).split())[:200]})") from None
   if not isinstance(value, dict):
