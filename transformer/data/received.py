@@ -69,6 +69,12 @@ def allowed_folders() -> list[str]:
           for p in os.environ.get(ALLOW_ENV, "").split(os.pathsep) if p.strip()]
 
 
+def _folder_of(target: str) -> str:
+  """The folder to allow for a link to `target`: itself if it is one, else
+  the folder that holds it."""
+  return target if os.path.isdir(target) else os.path.dirname(target)
+
+
 def _within(path: str, folder: str) -> bool:
   return os.path.commonpath([path, folder]) == folder
 
@@ -94,7 +100,7 @@ def _resolve_inside(path: str, root: str | os.PathLike | None, what: str) -> str
   raise RefusedFile(
       f"{path} ({what}) leads to {real}, outside {os.fspath(root)}: a received folder's "
       f"files are read only inside it (if you linked it there yourself, allow that folder: "
-      f"{ALLOW_ENV}={os.path.dirname(real)})")
+      f"{ALLOW_ENV}={_folder_of(real)})")
 
 
 def _kind(mode: int) -> str:
@@ -219,7 +225,7 @@ def check_directory(path: str | os.PathLike, *, root: str | os.PathLike,
     raise RefusedFile(
         f"{path} ({what}) is a link to {target}; a folder this program writes into must be "
         f"a real folder inside {os.fspath(root)} (if you linked it yourself, allow that "
-        f"folder: {ALLOW_ENV}={os.path.dirname(target)})")
+        f"folder: {ALLOW_ENV}={_folder_of(target)})")
   if not stat.S_ISDIR(info.st_mode):
     raise RefusedFile(f"{path} ({what}) is {_kind(info.st_mode)}, not a folder")
   _resolve_inside(path, root, what)  # (the workdir's own parents may be links: fine)
@@ -275,7 +281,7 @@ def walk(top: str | os.PathLike, *, root: str | os.PathLike, what: str,
         if not any(_within(target, f) for f in allowed_folders()):
           raise RefusedFile(
               f"{path} ({what}) is a link to {target}; checkpoints hold none (if you linked "
-              f"it yourself, allow that folder: {ALLOW_ENV}={os.path.dirname(target)})")
+              f"it yourself, allow that folder: {ALLOW_ENV}={_folder_of(target)})")
         try:
           info = os.stat(path)
         except FileNotFoundError:
