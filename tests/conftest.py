@@ -25,7 +25,8 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # settings are checked in its subprocesses, tests/test_decode_cli.py).
 gc.set_threshold(20_000, *gc.get_threshold()[1:])
 
-from helpers import CACHE_SETTINGS, FAST_COMPILE_FLAGS  # noqa: E402
+from helpers import CACHE_SETTINGS, FAST_COMPILE_FLAGS, TEST_CACHE_MAX_BYTES  # noqa: E402
+from helpers import shared_compilation_cache  # noqa: E402
 
 # Before JAX starts its backend: this process's programs compiled as the
 # subprocesses' are (helpers.FAST_COMPILE_FLAGS says why).
@@ -52,6 +53,31 @@ os.environ["TRANSFORMER_SIGNING_KEY"] = os.path.join(_KEY_DIR.name, "signing.key
 # for every in-process test; helpers.subprocess_env passes it to subprocesses.
 # (On CPU it changes nothing: XLA's CPU matmuls are always full float32.)
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Every program compiled once per machine, not once per run: JAX's persistent
+# compilation cache in the tests' folder of the user's cache directory
+# (helpers.shared_compilation_cache, shared with the subprocesses through
+# helpers.subprocess_env), and the product's caches of whole compiled
+# decoders and serving copies off (executable_cache.DECODER_CACHE_ENV), so
+# that a test's decoders are traced, lowered and compiled as on a first start
+# (XLA's compile read back from the cache). The modules that test those
+# caches give them folders of their own (`caches_of_their_own`).
+os.environ["TRANSFORMER_DECODER_CACHE"] = "off"
+TEST_CACHE = shared_compilation_cache()
+if TEST_CACHE is not None:
+  TEST_CACHE.mkdir(parents=True, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", str(TEST_CACHE))
+  for _name, _value in CACHE_SETTINGS.items():
+    jax.config.update(_name, _value)
+
+
+def pytest_configure(config):
+  """Once per run, in the controlling process (not in each worker): the
+  shared cache kept under TEST_CACHE_MAX_BYTES, least recently used first."""
+  if TEST_CACHE is not None and not hasattr(config, "workerinput"):
+    from transformer.runtime import compile_cache
+    compile_cache.prune_least_recently_used(TEST_CACHE, TEST_CACHE_MAX_BYTES,
+                                            names=compile_cache.JAX_ENTRY)
 
 
 
@@ -88,11 +114,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def compilation_cache(tmp_path_factory, worker_id):
-  """A persistent XLA compilation cache, one per pytest session and shared by
-  its worker processes (each program is compiled once per session, not once
-  per run or per worker; the cache changes how long a compile takes, never
-  what runs), switched on for the module's in-process runs and restored
-  after. Yields its directory, for subprocesses too."""
+  """The persistent XLA compilation cache the tests share (`TEST_CACHE`,
+  kept across runs), for the subprocesses a module starts; where it is off
+  ($TRANSFORMER_TEST_CACHE=off), one for this run, shared by its workers and
+  switched on for the module's in-process runs. The cache changes how long
+  a compile takes, never what runs."""
+  if TEST_CACHE is not None:
+    yield TEST_CACHE
+    return
   from jax.experimental.compilation_cache import compilation_cache as cc
   base = tmp_path_factory.getbasetemp()
   path = (base if worker_id == "master" else base.parent) / "jax_compilation_cache"
@@ -105,4 +134,22 @@ def compilation_cache(tmp_path_factory, worker_id):
   yield path
   for name, value in old.items():
     jax.config.update(name, value)
+  cc.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def caches_of_their_own():
+  """For the modules that test the caches themselves (JAX's, the compiled
+  decoders', the serving copies'): no compilation cache unless a test gives
+  one of its own, and the decoder cache switched by JAX's alone, as a user's
+  process has them; restored after."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  old_dir, old_env = jax.config.jax_compilation_cache_dir, os.environ.pop(
+      "TRANSFORMER_DECODER_CACHE", None)
+  jax.config.update("jax_compilation_cache_dir", None)
+  cc.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", old_dir)
+  if old_env is not None:
+    os.environ["TRANSFORMER_DECODER_CACHE"] = old_env
   cc.reset_cache()

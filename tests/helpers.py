@@ -43,18 +43,52 @@ CACHE_SETTINGS = {
 }
 
 
+# One JAX compilation cache for every test process and subprocess, kept across
+# runs in the user's cache directory (outside the checkout: a clean clone on
+# the same machine finds it), in a folder of its own per jaxlib and CPU (XLA
+# compiles for the CPU it runs on: a home shared by two machines keeps two).
+# The programs are the same from run to run, so a second run reads them back
+# instead of compiling them (docs/testing.md). $TRANSFORMER_TEST_CACHE names
+# another folder, or "off". The product's own caches of compiled decoders and
+# serving copies stay off (conftest.py: TRANSFORMER_DECODER_CACHE=off), so
+# that tests exercise the load path a first start takes; the tests of those
+# caches give them directories of their own.
+TEST_CACHE_ENV = "TRANSFORMER_TEST_CACHE"
+TEST_CACHE_MAX_BYTES = 4 << 30  # the least recently used entries beyond it go at each run
+
+
+def shared_compilation_cache() -> Path | None:
+  """The tests' shared compilation cache (above), or None when it is off."""
+  chosen = os.environ.get(TEST_CACHE_ENV, "")
+  if chosen.strip().lower() in ("off", "none", "0", "false"):
+    return None
+  if chosen:
+    return Path(chosen).expanduser().resolve()
+  import jaxlib.version  # (a version string only: no JAX backend starts)
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+  except OSError:
+    flags = ""
+  import platform
+  cpu = hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return Path(base) / "transformer" / "tests" / f"jax-{jaxlib.version.__version__}-{cpu}"
+
+
 def subprocess_env(cache_dir=None, *, fast_compile: bool = True, **extra: str) -> dict[str, str]:
   """The environment of a test subprocess: this one's, minus JAX_/XLA_
   settings and proxies (gRPC would route localhost through one), with the
   repository importable, JAX on CPU, XLA at FAST_COMPILE_FLAGS unless
-  `fast_compile` is False (an XLA_FLAGS in `extra` is added to them), and
-  optionally a persistent compilation cache in `cache_dir`; `extra`
-  variables last."""
+  `fast_compile` is False (an XLA_FLAGS in `extra` is added to them), and a
+  persistent compilation cache in `cache_dir` (default: the tests' shared
+  one, `shared_compilation_cache`); `extra` variables last."""
   env = {k: v for k, v in os.environ.items()
          if "proxy" not in k.lower() and not k.startswith(("JAX_", "XLA_"))}
   env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
   env["JAX_PLATFORMS"] = "cpu"
   env["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"  # as conftest.py pins it in-process
+  cache_dir = shared_compilation_cache() if cache_dir is None else cache_dir
   if cache_dir is not None:
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     for name, value in CACHE_SETTINGS.items():

@@ -16,6 +16,11 @@ from helpers import CACHE_SETTINGS
 from transformer.runtime import compile_cache
 
 
+# JAX's compilation cache off unless a test gives one of its own, and the
+# decoders kept whenever it is on, as in a user's process (conftest.py).
+pytestmark = pytest.mark.usefixtures("caches_of_their_own")
+
+
 def write(path, size: int, used_seconds_ago: float, read_seconds_ago: float | None = None):
   """A file of `size` bytes last written `used_seconds_ago`, last read
   `read_seconds_ago` (default: when written)."""

@@ -70,12 +70,22 @@ def workdir(tmp_path_factory):
   return str(path)
 
 
+def product_caches(env: dict) -> dict:
+  """`env` for a test of decode.py's own caches: no JAX cache given (decode.py
+  chooses, from $TRANSFORMER_COMPILATION_CACHE), and the compiled decoders
+  kept with it, as a user's decode.py keeps them (conftest.py turns that off)."""
+  return {k: v for k, v in env.items()
+          if not k.startswith("JAX_") and k != "TRANSFORMER_DECODER_CACHE"}
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
+  from helpers import shared_compilation_cache
   env = dict(os.environ)  # (XLA at -O0, as conftest.py set it: helpers.FAST_COMPILE_FLAGS)
-  # Let later runs reuse the compilations of earlier ones (same model and
-  # shapes) from a persistent cache.
-  env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+  # Later runs reuse the compilations of earlier ones (same model and shapes)
+  # from the tests' persistent cache (helpers.shared_compilation_cache).
+  cache = shared_compilation_cache() or tmp_path_factory.mktemp("jax_cache")
+  env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
              XLA_PYTHON_CLIENT_PREALLOCATE="false")  # share a GPU with this process
@@ -356,7 +366,7 @@ def test_decode_py_runs_nothing_a_received_workdir_carries(workdir, env, tmp_pat
   (test_executable_cache.py: the other kinds of file, and --trust_compiled=KEY;
   below: --trust_compiled=KEY through decode.py.)"""
   import helpers
-  env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+  env = product_caches(env)
   env.update(TRANSFORMER_COMPILATION_CACHE=str(tmp_path / "cache"),
              TRANSFORMER_WORKDIR_DECODERS="on")
   received = tmp_path / "received"
@@ -385,7 +395,7 @@ def _on_machine(env, tmp_path, machine: str, cache: str) -> dict:
   """decode.py's environment on one of the user's machines: its signing key
   (`<tmp_path>/<machine>/signing.key`, made on first use), its compilation
   cache (`<tmp_path>/<cache>`), decoders kept in workdirs."""
-  env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+  env = product_caches(env)
   return dict(env, TRANSFORMER_SIGNING_KEY=str(tmp_path / machine / "signing.key"),
               TRANSFORMER_COMPILATION_CACHE=str(tmp_path / cache),
               TRANSFORMER_WORKDIR_DECODERS="on")
@@ -474,7 +484,7 @@ def test_second_decode_compiles_nothing(workdir, env, tmp_path):
   of tracing it: JAX compiles no program at all, not even a PRNG key's) and
   translates the same; --compilation_cache=off writes nothing."""
   cache = tmp_path / "cache"
-  env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+  env = product_caches(env)
   env["TRANSFORMER_COMPILATION_CACHE"] = str(cache)
   flags = (f"--workdir={workdir}", "--method=greedy", "--max_len=24", "--quiet")
   first = _ok(run_decode(env, *flags, stdin=_text(LINES)))

@@ -23,6 +23,10 @@ from transformer.decoding import executable_cache, loader
 from transformer.decoding import decoders as decoders_lib
 from transformer.model import transformer as model_lib
 
+# JAX's compilation cache off unless a test gives one of its own, and the
+# decoders kept whenever it is on, as in a user's process (conftest.py).
+pytestmark = pytest.mark.usefixtures("caches_of_their_own")
+
 FIXTURE_WORKDIR = Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb"
 SENTENCES = ["one red cat", "three hundred and two blue birds and seven green frogs",
              "", "a cat"]

@@ -24,6 +24,10 @@ from transformer.decoding import executable_cache, loader, serving_params
 from transformer.model import init_params
 from transformer.runtime import averaging, workdir as workdir_lib
 
+# JAX's compilation cache off unless a test gives one of its own, and the
+# decoders kept whenever it is on, as in a user's process (conftest.py).
+pytestmark = pytest.mark.usefixtures("caches_of_their_own")
+
 FIXTURE_WORKDIR = Path(__file__).resolve().parent / "fixtures" / "workdir_d26a6fb"
 DiskUsage = collections.namedtuple("DiskUsage", "total used free")  # shutil.disk_usage's
 

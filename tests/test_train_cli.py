@@ -23,20 +23,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 import train_worker  # noqa: E402  (no JAX import)
-from helpers import FAST_COMPILE_FLAGS, small_disk  # noqa: E402
+from helpers import shared_compilation_cache, small_disk, subprocess_env  # noqa: E402
 
 TIMEOUT_S = 240
 
 
 def env_for(cache_dir=None) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-  env["JAX_PLATFORMS"] = "cpu"
-  env["XLA_FLAGS"] = FAST_COMPILE_FLAGS  # (compiling is most of a short run)
-  if cache_dir is not None:
-    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-  return env
+  """`helpers.subprocess_env`'s: XLA at FAST_COMPILE_FLAGS (compiling is most
+  of a short run), matmuls pinned to "highest" as in test_training.py (the
+  same programs: one compile for both), and the tests' shared compilation
+  cache unless `cache_dir` names another."""
+  return subprocess_env(cache_dir)
 
 
 def train_py(args, env, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -55,7 +52,10 @@ def tiny_flags(**overrides) -> list[str]:
 
 
 def cache_dir(tmp_path_factory) -> Path:
-  return tmp_path_factory.getbasetemp() / "jax_compilation_cache"
+  """The tests' shared compilation cache (helpers.shared_compilation_cache),
+  or one for this run where that is off."""
+  return (shared_compilation_cache()
+          or tmp_path_factory.getbasetemp() / "jax_compilation_cache")
 
 
 @pytest.fixture(scope="module")

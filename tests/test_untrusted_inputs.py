@@ -274,6 +274,7 @@ def test_a_linked_compiled_folder_is_neither_read_nor_written(workdir, tmp_path_
   from transformer.decoding import executable_cache, loader
   cache = tmp_path_factory.mktemp("machine_cache")
   monkeypatch.setenv(executable_cache.MODEL_ENV, "on")
+  monkeypatch.delenv(executable_cache.DECODER_CACHE_ENV, raising=False)  # (conftest.py's)
   monkeypatch.setattr(executable_cache, "MAX_MODEL_BYTES", 0)
   import jax
   from helpers import CACHE_SETTINGS

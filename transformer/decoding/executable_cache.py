@@ -44,7 +44,11 @@ plain data and kept as JSON. A sealed file that still does not load is
 removed and made again. The directory is kept under MAX_BYTES (2 GiB): each
 new file removes the least recently used ones beyond it (a load marks its
 file used). The cache is off when the compilation cache is
-(`--compilation_cache=off`).
+(`--compilation_cache=off`), and by itself with $TRANSFORMER_DECODER_CACHE=off
+(JAX's compilation cache still on: each decoder is then traced and lowered at
+every start, and XLA's compile read back from JAX's cache as it is; the test
+suite's setting, so that its decoders are compiled as a first start compiles
+them while its programs are compiled once per machine).
 
 The decoders travel with the model: a Translator loaded from a workdir
 (`loader.load_translator`) also keeps them in `<workdir>/compiled/`
@@ -109,13 +113,18 @@ MAX_MODEL_BYTES = 256 << 20  # ... and a workdir's
 # files its pruning removes, whatever else a directory holds.
 FILE_NAMES = re.compile(r"[0-9a-f]{32}\.(bin|shapes|logits_kernel)")
 MODEL_ENV = "TRANSFORMER_WORKDIR_DECODERS"  # "off": no decoders kept in workdirs
+DECODER_CACHE_ENV = "TRANSFORMER_DECODER_CACHE"  # "off": JAX's cache only (`directory`)
 
 
 def directory(subdirectory: str = SUBDIRECTORY) -> Path | None:
   """Where compiled decoders are kept: `decoders/` (or `subdirectory`) in the
-  compilation cache's directory, or None when that cache is off."""
+  compilation cache's directory; None when that cache is off, or when only
+  JAX's programs are cached ($TRANSFORMER_DECODER_CACHE=off: then neither
+  decoders nor serving copies are kept, here or in workdirs)."""
   base = jax.config.jax_compilation_cache_dir
-  return Path(base) / subdirectory if base else None
+  if not base or os.environ.get(DECODER_CACHE_ENV, "").lower() == "off":
+    return None
+  return Path(base) / subdirectory
 
 
 def model_directory(model) -> Path | None:
@@ -379,6 +388,8 @@ def load_or_compile(parts: dict, compile_fn: Callable[[], jax.stages.Compiled], 
   `_compile_fresh`). `model_dir`: a workdir's `compiled/` that keeps it too
   (`model_directory`)."""
   from jax.experimental import serialize_executable
+  if directory() is None:  # (nothing serialized: JAX's cache may serve it as it is)
+    return compile_fn(), False
   return _load_or_make(
       parts, suffix, what,
       make=lambda: _compile_fresh(compile_fn),
