@@ -162,9 +162,9 @@ def trusted_keys(path: str | os.PathLike) -> list[bytes]:
   """The keys `path` holds: a key file (another machine's 32-byte
   `signing.key`) or a keyring, a directory whose files named `*.key` are
   each one (at most MAX_KEYRING_ENTRIES entries). Only regular files are
-  read, no link followed, nothing opened that could block (a FIFO); a file
-  or keyring that group or others can write is refused: someone else could
-  have put their key there. Raises `errors.OptionError` (TRUST_OPTION) whose
+  read, no link followed, nothing opened that could block (a FIFO); a key
+  file that group or others can read or write, or a keyring they can write,
+  is refused: someone else could forge its seals or put their key there. Raises `errors.OptionError` (TRUST_OPTION) whose
   problem is one sentence saying what is wrong."""
   def refuse(problem):
     return errors.OptionError(TRUST_OPTION, os.fspath(path), problem)
