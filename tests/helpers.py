@@ -16,6 +16,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -238,3 +239,23 @@ def plant_hostile_files(compiled: Path, kind: str, marker: str | os.PathLike) ->
     path = compiled / name
     path.write_bytes(hostile_file(kind, name, path.read_bytes(), marker))
   return names
+
+
+def within_seconds(call, seconds: float = 60.0):
+  """`call()`'s result or exception, failing the test if it has not returned
+  within `seconds` (a read that never ends: the thread is left behind)."""
+  outcome: dict = {}
+
+  def run():
+    try:
+      outcome["value"] = call()
+    except BaseException as e:  # (handed to the test)
+      outcome["error"] = e
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    pytest.fail(f"still running after {seconds} s: a read that never ends")
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 
+from helpers import within_seconds
 from transformer.runtime import errors, signing
 
 
@@ -200,26 +201,6 @@ def _make_bad_key(kind: str, tmp_path):
   return ring, f"more than {signing.MAX_KEYRING_ENTRIES} entries"
 
 
-def _within(seconds: float, fn, *args):
-  """fn(*args), or the test fails if it has not returned in `seconds` (an
-  open that waits for a FIFO's writer would wait for ever)."""
-  result = {}
-
-  def run():
-    try:
-      result["value"] = fn(*args)
-    except BaseException as e:  # (raised again in the test's thread)
-      result["error"] = e
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
-    pytest.fail(f"{fn.__name__} still waiting after {seconds} s")
-  if "error" in result:
-    raise result["error"]
-  return result["value"]
-
-
 BAD_KEYS = ("a link out", "a FIFO", "a device", "short", "long", "empty", "group-writable",
             "others-writable", "others-readable", "missing", "a keyring others can write",
             "a link in a keyring",
@@ -235,7 +216,7 @@ def test_a_bad_trusted_key_is_one_sentence_naming_it(tmp_path, kind):
   an OptionError: the option, the path and what is wrong, on one line."""
   path, words = _make_bad_key(kind, tmp_path)
   with pytest.raises(errors.OptionError) as raised:
-    _within(10, signing.trusted_keys, path)  # (a FIFO opened for reading would block)
+    within_seconds(lambda: signing.trusted_keys(path), 10)  # (a FIFO opened to read would block)
   e = raised.value
   assert (e.option, e.value) == ("trust_compiled", str(path))
   assert words in e.problem and "\n" not in str(e), str(e)

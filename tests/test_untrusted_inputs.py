@@ -25,7 +25,7 @@ from transformer.decoding import streaming
 from transformer.model.config import MAX_SIZES, TransformerConfig
 from transformer.runtime import run_lock
 from transformer.runtime import workdir as workdir_lib
-from helpers import RunsWhenUnpickled, hostile_pickle
+from helpers import RunsWhenUnpickled, hostile_pickle, within_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE_WORKDIR = REPO / "tests" / "fixtures" / "workdir_d26a6fb"
@@ -130,27 +130,6 @@ def outside_state(folder: Path, workdir: Path) -> dict[str, tuple]:
     else:
       state[str(path)] = ("folder",)
   return state
-
-
-def within_seconds(call, seconds: float = 60.0):
-  """`call()`'s result or exception, failing the test if it has not returned
-  within `seconds` (a read that never ends: the thread is left behind)."""
-  import threading
-  outcome: dict = {}
-
-  def run():
-    try:
-      outcome["value"] = call()
-    except BaseException as e:  # (handed to the test)
-      outcome["error"] = e
-  thread = threading.Thread(target=run, daemon=True)
-  thread.start()
-  thread.join(seconds)
-  if thread.is_alive():
-    pytest.fail(f"still running after {seconds} s: a read that never ends")
-  if "error" in outcome:
-    raise outcome["error"]
-  return outcome["value"]
 
 
 def _copy_outside(workdir: Path, name: str) -> Path:
@@ -653,32 +632,26 @@ def test_a_pickled_npz_or_a_python_yaml_tag_never_runs(marian_release, tmp_path,
   _refused(release, tmp_path, release / "vocab.yml")
 
 
-@pytest.mark.parametrize("name,plant", [
-    ("model.npz", _link_out), ("source.spm", _dev_zero), ("vocab.yml", _fifo),
-    ("decoder.yml", _fifo), ("target.spm", _link_out)])
-def test_a_release_file_that_is_a_link_out_or_a_fifo_is_one_sentence(marian_release,
-                                                                      tmp_path, name, plant):
-  """An imported Marian-NMT release's files are read through the one reader:
-  a link out of the release (to a copy of the very file) or to /dev/zero, or
-  a FIFO, is refused in one sentence naming it; nothing hangs."""
-  from transformer.interop import marian
-  release = _release_copy(marian_release, tmp_path)
-  path, what = plant(release, name)
-  with pytest.raises(ValueError) as e:
-    within_seconds(lambda: marian.import_model(str(release), str(tmp_path / "imported")))
-  assert what in one_sentence(e.value, path)
-  assert not (tmp_path / "imported").exists()
+IMPORT_PLANTS = [
+    ("release", "model.npz", _link_out), ("release", "source.spm", _dev_zero),
+    ("release", "vocab.yml", _fifo), ("release", "decoder.yml", _fifo),
+    ("release", "target.spm", _link_out), ("hf", "model.safetensors", _link_out),
+    ("hf", "vocab.json", _fifo), ("hf", "config.json", _dev_zero)]
 
 
-@pytest.mark.parametrize("name,plant", [
-    ("model.safetensors", _link_out), ("vocab.json", _fifo), ("config.json", _dev_zero)])
-def test_a_hugging_face_file_that_is_a_link_out_or_a_fifo_is_one_sentence(
-    marian_release, tmp_path, name, plant):
+@pytest.mark.parametrize("kind,name,plant", IMPORT_PLANTS,
+                         ids=[f"{k}-{n}-{p.__name__.strip('_')}" for k, n, p in IMPORT_PLANTS])
+def test_an_imported_file_that_is_a_link_out_or_a_fifo_is_one_sentence(
+    marian_release, tmp_path, kind, name, plant):
+  """An imported model's files (a Marian-NMT release's, a Hugging Face
+  folder's) are read through the one reader: a link out of its folder (to a
+  copy of the very file) or to /dev/zero, or a FIFO, is refused in one
+  sentence naming it; nothing hangs, and no workdir is made."""
   from transformer.interop import marian
-  hf = _hf_copy(marian_release, tmp_path)
-  path, what = plant(hf, name)
+  model = (_release_copy if kind == "release" else _hf_copy)(marian_release, tmp_path)
+  path, what = plant(model, name)
   with pytest.raises(ValueError) as e:
-    within_seconds(lambda: marian.import_model(str(hf), str(tmp_path / "imported")))
+    within_seconds(lambda: marian.import_model(str(model), str(tmp_path / "imported")))
   assert what in one_sentence(e.value, path)
   assert not (tmp_path / "imported").exists()
 
