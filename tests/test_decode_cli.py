@@ -1,7 +1,8 @@
 """End-to-end tests of decode.py, run as a subprocess on a tiny trained workdir.
 
-The workdir comes from `training.train_and_evaluate` on the demo task with a
-tiny model and a short run (a module fixture, seconds). Every decode.py run
+The workdir is tests/fixtures/workdir_decode_cli: the demo task, a tiny model
+and a short run of train.py, made once by
+tests/fixtures/make_decode_cli_workdir.py and committed. Every decode.py run
 pays a JAX import and compilations, so the successful runs are few, launched
 together (two at a time) by one fixture, and share a persistent compilation
 cache; each test then checks one property of their outputs. Error cases fail
@@ -23,7 +24,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = os.path.join(ROOT, "decode.py")
-TRAIN_STEPS = 300
+TRAINED_WORKDIR = os.path.join(ROOT, "tests", "fixtures", "workdir_decode_cli")
+TRAIN_STEPS = 300  # (its one checkpoint: tests/fixtures/make_decode_cli_workdir.py)
 
 # Line 2 is empty and line 4 blank; the last line has no newline. Sentences of
 # one length bucket (few compilations) that the tiny model translates
@@ -49,24 +51,13 @@ def _text(lines, final_newline=True):
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-  """The demo's workdir as `python train.py` writes it (a tiny model), trained
-  by a train.py of its own with XLA's default optimizations: the model the
-  tests below were written against (bfloat16 weights translate exactly as its
-  float32 ones), which a program compiled at -O0 rounds differently in a
-  few last bits and trains into another."""
-  from helpers import run_checked, subprocess_env
+  """A copy of tests/fixtures/workdir_decode_cli: the demo's workdir as
+  `python train.py` writes it (a tiny model, 300 steps, XLA's default
+  optimizations; `tests/fixtures/make_decode_cli_workdir.py` made it and says
+  how), committed so that no run trains it again; copied, so that nothing a
+  test does writes into the repository."""
   path = tmp_path_factory.mktemp("decode_cli") / "run"
-  overrides = dict(batch_size=16, num_train_steps=TRAIN_STEPS, warmup_steps=50,
-                   num_bleu_examples=0, vocab_size=128, eval_every=10**6, log_every=100,
-                   checkpoint_every=TRAIN_STEPS, average_last=1, test_report=False, **{
-                       "model.d_model": 32, "model.num_heads": 2, "model.d_ff": 64,
-                       "model.num_encoder_layers": 1, "model.num_decoder_layers": 1,
-                       "data.demo_num_train": 2000, "data.demo_num_eval": 32,
-                       "data.demo_num_test": 32})
-  run_checked([sys.executable, "train.py", "--config=configs/default.py", f"--workdir={path}",
-               "--quiet", "--compilation_cache=off",
-               *(f"--config.{name}={value}" for name, value in overrides.items())],
-              subprocess_env(fast_compile=False), timeout=900)
+  shutil.copytree(TRAINED_WORKDIR, path)
   return str(path)
 
 
