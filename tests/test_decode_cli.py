@@ -243,7 +243,52 @@ def test_plot_attention_one_png_per_sentence(runs):
 # ----------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def decode_py():
+  """decode.py imported into this process (its flags defined in absl's FLAGS;
+  importing it changes nothing else), for the option errors below."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("decode_py_under_test", DECODE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def decode_in_process(decode_py, *flags, stdin: str = "a\n"):
+  """decode.py's exit status and output for `flags` (a result like
+  `run_decode`'s), run in this process as absl runs it in its own: the flags
+  parsed, then `main`. For the errors decode.py finds in its options and in
+  the workdir's files before it loads a model: the path under test is the
+  check, not a process's start (~1.5-2.5 s of imports each;
+  test_an_option_error_ends_the_process_in_one_line runs one as a process).
+  The flags, absl's verbosity and the standard streams are restored after."""
+  import contextlib
+  import io
+  from absl import flags as absl_flags
+  from absl import logging as absl_logging
+  verbosity, out, err = absl_logging.get_verbosity(), io.StringIO(), io.StringIO()
+  old_stdin = sys.stdin
+  sys.stdin = io.StringIO(stdin)
+  try:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      try:
+        argv = absl_flags.FLAGS(["decode.py", *flags])
+      except absl_flags.Error as e:  # (as absl's app.run says it, exit status 1)
+        print(f"FATAL Flags parsing error: {e}", file=sys.stderr)
+        code = 1
+      else:
+        code = decode_py.main(argv)
+  finally:
+    sys.stdin = old_stdin
+    absl_flags.FLAGS.unparse_flags()
+    absl_logging.set_verbosity(verbosity)
+  return subprocess.CompletedProcess(["decode.py", *flags], code, out.getvalue().encode(),
+                                     err.getvalue().encode())
+
+
 def _error(result, *needles, code=None, stdout=""):
+  if not hasattr(result, "stderr_text"):  # (`decode_in_process`'s)
+    result.stdout_text, result.stderr_text = result.stdout.decode(), result.stderr.decode()
   err = result.stderr_text
   assert result.returncode != 0, err
   if code is not None:
@@ -281,31 +326,31 @@ def test_non_utf8_input_names_file_and_line(workdir, env, tmp_path):
          stdout=ok.stdout_text)  # "ok"'s translation came out first
 
 
-def test_missing_workdir_pieces_name_what_to_do(workdir, env, tmp_path):
+def test_missing_workdir_pieces_name_what_to_do(workdir, decode_py, tmp_path):
   missing = tmp_path / "nowhere"
-  _error(run_decode(env, f"--workdir={missing}", stdin="a\n"),
+  _error(decode_in_process(decode_py, f"--workdir={missing}"),
          str(missing), "train.py", code=1)
   empty = tmp_path / "empty"
   empty.mkdir()
-  _error(run_decode(env, f"--workdir={empty}", stdin="a\n"),
+  _error(decode_in_process(decode_py, f"--workdir={empty}"),
          "model_config.json", "train.py", code=1)
   no_vocab = tmp_path / "no_vocab"
   no_vocab.mkdir()
   shutil.copy(os.path.join(workdir, "model_config.json"), no_vocab)
-  _error(run_decode(env, f"--workdir={no_vocab}", stdin="a\n"),
+  _error(decode_in_process(decode_py, f"--workdir={no_vocab}"),
          "vocab.model", "train.py", code=1)
   no_ckpt = tmp_path / "no_checkpoint"
   no_ckpt.mkdir()
   for name in ("model_config.json", "vocab.model", "config.json"):
     shutil.copy(os.path.join(workdir, name), no_ckpt)
-  _error(run_decode(env, f"--workdir={no_ckpt}", stdin="a\n"),
+  _error(decode_in_process(decode_py, f"--workdir={no_ckpt}"),
          "no checkpoint", "train.py", code=1)
 
 
-def test_unknown_checkpoint(workdir, env):
-  _error(run_decode(env, f"--workdir={workdir}", "--checkpoint=123", stdin="a\n"),
+def test_unknown_checkpoint(workdir, decode_py):
+  _error(decode_in_process(decode_py, f"--workdir={workdir}", "--checkpoint=123"),
          "--checkpoint=123", f"available steps: [{TRAIN_STEPS}]", code=1)
-  _error(run_decode(env, f"--workdir={workdir}", "--checkpoint=averaged", stdin="a\n"),
+  _error(decode_in_process(decode_py, f"--workdir={workdir}", "--checkpoint=averaged"),
          "--checkpoint=averaged", "no averaged checkpoint", code=1)
 
 
@@ -321,17 +366,25 @@ def test_unknown_checkpoint(workdir, env):
     (["--cpu_devices=-1"], "--cpu_devices=-1"),
     ([], "--workdir"),
 ])
-def test_bad_flag_values_name_the_flag(workdir, env, flags, needle):
+def test_bad_flag_values_name_the_flag(workdir, decode_py, flags, needle):
   args = list(flags) if needle == "--workdir" else [f"--workdir={workdir}", *flags]
-  _error(run_decode(env, *args, stdin="a\n"), needle, code=2)
+  _error(decode_in_process(decode_py, *args), needle, code=2)
 
 
-def test_output_in_missing_directory(workdir, env, tmp_path):
-  _error(run_decode(env, f"--workdir={workdir}", f"--output={tmp_path}/no/such/out.txt",
-                    stdin="a\n"), "--output=", code=2)
+def test_an_option_error_ends_the_process_in_one_line(workdir, env):
+  """As a process (the tests above run decode.py's checks in this one): exit
+  status 2, one line on stderr naming the flag, nothing on stdout."""
+  err = _error(run_decode(env, f"--workdir={workdir}", "--beam_size=0", stdin="a\n"),
+               "--beam_size=0", code=2)
+  assert len(err.strip().splitlines()) == 1, err
 
 
-def test_vocab_path_from_config(workdir, env, tmp_path):
+def test_output_in_missing_directory(workdir, decode_py, tmp_path):
+  _error(decode_in_process(decode_py, f"--workdir={workdir}",
+                           f"--output={tmp_path}/no/such/out.txt"), "--output=", code=2)
+
+
+def test_vocab_path_from_config(workdir, decode_py, tmp_path):
   # A run trained with config.vocab_path has no vocab.model of its own: decode.py
   # reads the path from config.json where it lies inside the workdir (this error
   # proves it got past the vocabulary), and refuses one outside it: a workdir is
@@ -343,10 +396,10 @@ def test_vocab_path_from_config(workdir, env, tmp_path):
   config = json.load(open(os.path.join(workdir, "config.json")))
   config["vocab_path"] = str(run / "spm" / "spm.model")
   (run / "config.json").write_text(json.dumps(config))
-  _error(run_decode(env, f"--workdir={run}", stdin="a\n"), "no checkpoint", code=1)
+  _error(decode_in_process(decode_py, f"--workdir={run}"), "no checkpoint", code=1)
   config["vocab_path"] = os.path.join(workdir, "vocab.model")
   (run / "config.json").write_text(json.dumps(config))
-  _error(run_decode(env, f"--workdir={run}", stdin="a\n"), "outside the workdir", code=1)
+  _error(decode_in_process(decode_py, f"--workdir={run}"), "outside the workdir", code=1)
 
 
 def test_decode_py_runs_nothing_a_received_workdir_carries(workdir, env, tmp_path):
@@ -453,7 +506,8 @@ def _bad_trusted_key(kind: str, tmp_path) -> str:
     ("short", "holds 31 bytes"), ("group-writable", "read or written by group or others"),
     ("the old switch", "name the key file"),
 ])
-def test_decode_py_refuses_a_trusted_key_that_is_none_in_one_line(env, tmp_path, kind, needle):
+def test_decode_py_refuses_a_trusted_key_that_is_none_in_one_line(decode_py, tmp_path, kind,
+                                                                  needle):
   """Before the workdir is read: one line naming the flag, its value and what
   is wrong, exit status 2 (a bad flag value); a FIFO is never waited on."""
   if kind == "the old switch":  # (absl takes the next flag for the value)
@@ -462,7 +516,9 @@ def test_decode_py_refuses_a_trusted_key_that_is_none_in_one_line(env, tmp_path,
   else:
     value = _bad_trusted_key(kind, tmp_path)
     flags = [f"--trust_compiled={value}"]
-  result = run_decode(env, f"--workdir={FIXTURE_WORKDIR}", *flags, stdin="seven\n", timeout=120)
+  from helpers import within_seconds
+  result = within_seconds(lambda: decode_in_process(decode_py, f"--workdir={FIXTURE_WORKDIR}",
+                                                    *flags, stdin="seven\n"), 120)
   err = _error(result, f"--trust_compiled={value}: ", needle, code=2)
   assert len(err.strip().splitlines()) == 1, err
 
