@@ -248,10 +248,16 @@ def decode_py():
   """decode.py imported into this process (its flags defined in absl's FLAGS;
   importing it changes nothing else), for the option errors below."""
   import importlib.util
+  from absl import flags as absl_flags
+  before = set(absl_flags.FLAGS)
   spec = importlib.util.spec_from_file_location("decode_py_under_test", DECODE)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module
+  yield module
+  # Its flags removed again: a later module of this worker may define flags
+  # of the same names (train.py's --workdir, say).
+  for name in set(absl_flags.FLAGS) - before:
+    delattr(absl_flags.FLAGS, name)
 
 
 def decode_in_process(decode_py, *flags, stdin: str = "a\n"):
