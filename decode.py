@@ -123,12 +123,9 @@ _WEIGHTS_DTYPE = flags.DEFINE_enum(
     "AVX512-BF16 or AMX, the same BLEU, translations that may differ in a word here and "
     "there. Default: the model's own dtype.")
 _TRUST_COMPILED = flags.DEFINE_string(
-    "trust_compiled", "", "KEY: a copy of your own workdir from another machine of yours, "
-    "where KEY is that machine's signing.key (or a directory of such *.key files, one per "
-    "machine): the compiled decoders whose seals verify under KEY are sealed with this "
-    "machine's key and loaded; everything else is compiled afresh. Default: off (only "
-    "what this machine sealed is loaded). Better still, give your machines one key "
-    "(docs/security.md).")
+    "trust_compiled", "", "KEY: a copy of your own workdir from the machine whose "
+    "signing.key (or folder of *.key files) KEY is: the compiled decoders sealed under it "
+    "are loaded; the rest is compiled afresh (docs/security.md). Default: off.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "Multi-host: host:port of process 0 (or "
     "$JAX_COORDINATOR_ADDRESS). Slurm, Open MPI and Cloud TPU jobs of several processes "
@@ -177,8 +174,7 @@ def request() -> command.Request:
       options=translate_options(), checkpoint=_CHECKPOINT.value,
       output_format=_OUTPUT_FORMAT.value, window_lines=_WINDOW_LINES.value,
       param_sharding=_PARAM_SHARDING.value, weights_dtype=_WEIGHTS_DTYPE.value,
-      trust_compiled=_TRUST_COMPILED.value or None, plot_dir=_PLOT_ATTENTION.value,
-      quiet=_QUIET.value)
+      trust_compiled=_TRUST_COMPILED.value, plot_dir=_PLOT_ATTENTION.value, quiet=_QUIET.value)
 
 
 # Objects `main_then_exit` lets the process end with instead of freeing them:
@@ -197,11 +193,6 @@ def main(argv) -> int:
   absl_logging.set_verbosity(absl_logging.WARNING)
   if _CPU_DEVICES.value < 0:
     print(f"error: --cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)",
-          file=sys.stderr)
-    return 2
-  if _TRUST_COMPILED.value.startswith("-"):  # (absl took the next flag for its value)
-    print(f"error: --trust_compiled={_TRUST_COMPILED.value}: name the key file (signing.key) "
-          "of the machine whose seals you trust, e.g. --trust_compiled=keys/laptop.key",
           file=sys.stderr)
     return 2
   from transformer.runtime import multihost

@@ -263,7 +263,8 @@ def test_a_trained_workdir_is_read_once_into_a_value(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   calls = []
 
-  def choose(path, checkpoint):
+  def choose(path, checkpoint, folders):
+    assert [len(f) for f in folders] == [0, 27]  # (no checkpoints/; every entry of the average)
     calls.append((path, checkpoint))
     return 600, "a note"
   model = workdir.read("run", "600", choose=choose)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import re
 import stat
@@ -130,13 +129,8 @@ def open_file(path: str | os.PathLike, *, root: str | os.PathLike | None, kind: 
   """
   path, what = os.fspath(path), what or kind
   limit = None if kind == "weights" and limit is None else _limit(kind, limit)
-  if is_address(path):
-    f = epath.Path(path).open("rb")
-    size = getattr(f, "size", None)  # (object stores: checked as it is read, below)
-    if limit is not None and isinstance(size, int) and size > limit:
-      f.close()
-      raise _too_large(path, what, size, limit)
-    return f
+  if is_address(path):  # (no links, FIFOs or devices there; `read_bytes` stops at the limit)
+    return epath.Path(path).open("rb")
   real = _resolve_inside(path, root, what)
   try:  # (O_NONBLOCK: opening a FIFO for reading never waits for a writer)
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -170,14 +164,14 @@ def read_bytes(path: str | os.PathLike, *, root: str | os.PathLike | None, kind:
     if len(data) == size + 1 and size < limit:  # (it grew while read: read to the limit)
       data += f.read(limit - size)
   if len(data) > limit:
-    raise _too_large(os.fspath(path), what or kind, len(data), limit)
+    raise RefusedFile(f"{os.fspath(path)} ({what or kind}) holds more than {_size(limit)}, "
+                      "more than such a file holds: not read")
   return data
 
 
 def _too_large(path: str, what: str, size: int, limit: int) -> RefusedFile:
-  return RefusedFile(f"{path} ({what}) holds {'more than ' if size == limit + 1 else ''}"
-                     f"{_size(size)}, more than such a file holds ({_size(limit)} at most): "
-                     "not read")
+  return RefusedFile(f"{path} ({what}) holds {_size(size)}, more than such a file holds "
+                     f"({_size(limit)} at most): not read")
 
 
 def read_text(path: str | os.PathLike, **kwargs) -> str:
@@ -187,12 +181,6 @@ def read_text(path: str | os.PathLike, **kwargs) -> str:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:
     raise RefusedFile(f"{os.fspath(path)} is not UTF-8 text (byte {e.start}): not read") from None
-
-
-def read_json(path: str | os.PathLike, **kwargs):
-  """`read_bytes`, parsed as JSON; ValueError (json's, or a UnicodeDecodeError)
-  where it is not JSON: the caller names the file and its writer."""
-  return json.loads(read_bytes(path, **kwargs))
 
 
 def exists(path: str | os.PathLike) -> bool:

@@ -76,7 +76,6 @@ import os
 import pickle
 import platform
 import re
-import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -304,16 +303,13 @@ def _store(where: Path, name: str, stored: bytes, what: str, max_bytes: int,
 
 
 def _read_regular_file(path: Path, max_bytes: int) -> bytes | None:
-  """The bytes of `path` if it is a regular file (not a link, a FIFO or a
-  device that a received workdir could plant) of at most `max_bytes`; None
+  """The bytes of `path` if the one reader takes it (`received.read_bytes`:
+  inside its folder, a regular file, not a link out, a FIFO or a device that
+  a received workdir could plant) and it holds at most `max_bytes`; None
   where there is none such."""
   try:
-    info = os.lstat(path)
-    if not stat.S_ISREG(info.st_mode) or info.st_size > max_bytes:
-      return None
-    with open(path, "rb") as f:
-      return f.read(info.st_size)
-  except OSError:
+    return received.read_bytes(path, root=path.parent, kind="compiled", limit=max_bytes)
+  except (OSError, ValueError):  # (missing, or refused: compiled afresh)
     return None
 
 

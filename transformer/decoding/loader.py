@@ -112,6 +112,10 @@ def trusted_keys(trust_compiled: str | os.PathLike | None) -> list[bytes]:
         "workdir's files")
   if trust_compiled is None or trust_compiled is False or trust_compiled == "":
     return []
+  if os.fspath(trust_compiled).startswith("-"):  # (a command line took the next flag for it)
+    raise errors.OptionError(
+        signing.TRUST_OPTION, trust_compiled, "name the key file (signing.key) of the machine "
+        "whose seals you trust, e.g. --trust_compiled=keys/laptop.key")
   return signing.trusted_keys(trust_compiled)
 
 

@@ -81,15 +81,18 @@ def applies(workdir: str | os.PathLike) -> bool:
           and jax.process_count() == 1)
 
 
-def fingerprint(workdir: str | os.PathLike) -> str:
+def fingerprint(workdir: str | os.PathLike, folders=None) -> str:
   """SHA-256 of every entry under the workdir's checkpoint directories
-  (`workdir.check_checkpoint_folders`: no links, FIFOs or devices, a bounded
-  number): its path, whether it is a directory, its size and modification
-  time, and what no copy can carry over: its inode, device and change time.
-  (`tar` and `cp -p` keep sizes and modification times: another model
-  unpacked over the same path would match those.)"""
+  (`folders`, their walk by `workdir.check_checkpoint_folders`, walked here
+  if not given: no links, FIFOs or devices, a bounded number): its path,
+  whether it is a directory, its size and modification time, and what no
+  copy can carry over: its inode, device and change time. (`tar` and
+  `cp -p` keep sizes and modification times: another model unpacked over
+  the same path would match those.)"""
+  if folders is None:
+    folders = workdir_lib.check_checkpoint_folders(epath.Path(os.path.abspath(workdir)))
   digest = hashlib.sha256()
-  for folder in workdir_lib.check_checkpoint_folders(epath.Path(os.path.abspath(workdir))):
+  for folder in folders:
     for entry in folder:
       digest.update(f"{entry.relative} {entry.is_dir} {entry.size} {entry.mtime_ns} "
                     f"{entry.ctime_ns} {entry.inode} {entry.device}\n".encode())
@@ -102,16 +105,17 @@ def _path(workdir: str | os.PathLike, suffix: str) -> Path:
   return directory() / f"{name}{suffix}"
 
 
-def resolve(workdir: str | os.PathLike, checkpoint: str | int
+def resolve(workdir: str | os.PathLike, checkpoint: str | int, folders=None
             ) -> tuple[str | int, str | None]:
   """`workdir.list_checkpoint(workdir, checkpoint)`: as recorded when the
   checkpoint directories of the (resolved) `workdir` last had their present
-  fingerprint, else listed with orbax (and recorded). `workdir.read`'s
-  `choose` for decoding. Raises what `resolve_checkpoint` raises."""
+  fingerprint (of `folders`, their walk, if given), else listed with orbax
+  (and recorded). `workdir.read`'s `choose` for decoding. Raises what
+  `resolve_checkpoint` raises."""
   checkpoint = workdir_lib.checkpoint_choice(checkpoint)
   if not applies(workdir):
     return workdir_lib.list_checkpoint(workdir, checkpoint)
-  path, now = _path(workdir, ".json"), fingerprint(workdir)
+  path, now = _path(workdir, ".json"), fingerprint(workdir, folders)
   try:
     record = json.loads(path.read_text())
     if record["format"] != FORMAT or record["fingerprint"] != now:
@@ -147,7 +151,8 @@ def load(model: workdir_lib.Workdir, target: Any, restore: Callable[[], tuple[An
   workdir, which = model.path, model.checkpoint
   if not applies(workdir):
     return restore()
-  path, now = _path(workdir, ".npz"), fingerprint(workdir)  # (before a restore: see below)
+  # (taken before a restore, see below: when the checkpoint was chosen)
+  path, now = _path(workdir, ".npz"), fingerprint(workdir, model.checkpoint_folders)
   if path.exists():
     try:
       with np.load(path, allow_pickle=False) as stored:

@@ -271,12 +271,11 @@ def _yaml(path: str) -> dict:
   """The YAML mapping in `path` (yaml.safe_load: plain data, no Python objects)."""
   import yaml
 
+  text = received.read_text(path, root=os.path.dirname(path), kind="config",
+                            what="a Marian config")
   try:
-    value = yaml.safe_load(received.read_text(path, root=os.path.dirname(path), kind="config",
-                                              what="a Marian config"))
-  except received.RefusedFile:
-    raise
-  except (UnicodeDecodeError, yaml.YAMLError) as e:
+    value = yaml.safe_load(text)
+  except yaml.YAMLError as e:
     raise MarianImportError(f"{path} is not YAML ({' '.join(str(e).split())[:200]})") from None
   if not isinstance(value, dict):
     raise MarianImportError(f"{path} is not a YAML mapping")

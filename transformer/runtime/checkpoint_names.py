@@ -12,6 +12,7 @@ resolves or interprets a workdir again."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -50,9 +51,9 @@ def averaged_info(workdir: str | os.PathLike) -> dict[str, Any] | None:
     return None
   path = step_dir(workdir, steps[-1], AVERAGED_DIR) / META_ITEM / "metadata"
   try:
-    info = received.read_json(path, root=workdir, kind="record",
-                              what="the averaged checkpoint's record")
-  except received.RefusedFile:
+    info = json.loads(received.read_bytes(path, root=workdir, kind="record",
+                                          what="the averaged checkpoint's record"))
+  except received.RefusedFile:  # (its own sentence)
     raise
   except (OSError, ValueError) as e:
     raise ValueError(f"{path} cannot be read ({e}); it is written by train.py when it "

@@ -71,8 +71,9 @@ class ProcessJsonCheckpointHandler(ocp.JsonCheckpointHandler):
           " restart the data pipeline from its beginning."
       )
     # (a received workdir's checkpoint, walked already: no link or FIFO in it)
-    return received.read_json(path, root=None, kind="record", limit=DATA_STATE_LIMIT,
-                              what="the data pipeline's position")
+    return json.loads(received.read_bytes(path, root=None, kind="record",
+                                          limit=DATA_STATE_LIMIT,
+                                          what="the data pipeline's position"))
 
 
 @ocp.args.register_with_handler(ProcessJsonCheckpointHandler, for_save=True)

@@ -200,14 +200,13 @@ def vocab_path(workdir: str | os.PathLike) -> str:
   path = os.path.join(workdir, VOCAB_FILE)
   if received.exists(path):  # (a link or a FIFO too: reading it says what it is)
     return path
-  configured = ""
-  try:
-    configured = received.read_json(os.path.join(workdir, CONFIG_FILE), root=workdir,
-                                    kind="config").get("vocab_path") or ""
-  except received.RefusedFile:
-    raise
-  except (OSError, ValueError, AttributeError):
-    pass
+  configured, config_path = "", os.path.join(workdir, CONFIG_FILE)
+  if received.exists(config_path):
+    document = received.read_bytes(config_path, root=workdir, kind="config")
+    try:
+      configured = json.loads(document).get("vocab_path") or ""
+    except (ValueError, AttributeError):  # (no JSON object: no vocab_path in it)
+      pass
   if not isinstance(configured, str):
     configured = ""
   if configured and not _inside(workdir, configured):
@@ -287,10 +286,9 @@ def check_config(workdir: str, config: dict) -> list[tuple[str, object, object]]
   path = os.path.join(workdir, CONFIG_FILE)
   if not received.exists(path):
     return []
+  document = received.read_bytes(path, root=workdir, kind="config", what="the run's config")
   try:
-    stored = received.read_json(path, root=workdir, kind="config", what="the run's config")
-  except received.RefusedFile:
-    raise
+    stored = json.loads(document)
   except ValueError as e:
     raise ValueError(f"{path} is not valid JSON ({e}); it is written by train.py, do not "
                      "edit it (move it away to start this workdir's config afresh)") from None
@@ -407,35 +405,39 @@ class Workdir:
   checkpoint_note: str | None  # why "auto" chose the latest step over a stale average
   imported: dict | None  # import.json: where an imported model came from
   decoding: dict[str, float] = dataclasses.field(default_factory=dict)  # decoding.json ({}: none)
+  # The checkpoint folders as `check_checkpoint_folders` walked them when the
+  # checkpoint was chosen (None: not walked; the serving copy walks them then).
+  checkpoint_folders: tuple | None = None
 
 
-def check_checkpoint_folders(path: epath.Path) -> list[list[received.Entry]]:
+def check_checkpoint_folders(path: epath.Path) -> tuple[tuple[received.Entry, ...], ...]:
   """The entries of the resolved workdir's two checkpoint folders
   (`received.walk`): real folders inside it, holding only folders and
   regular files, none of them a link (orbax, which reads them, would follow
   it) and a bounded number. Raises `received.RefusedFile` naming what is not."""
-  return [received.walk(path / name, root=path, what="a checkpoint folder")
-          for name in (checkpoint_names.CHECKPOINT_DIR, checkpoint_names.AVERAGED_DIR)]
+  return tuple(tuple(received.walk(path / name, root=path, what="a checkpoint folder"))
+               for name in (checkpoint_names.CHECKPOINT_DIR, checkpoint_names.AVERAGED_DIR))
 
 
-def list_checkpoint(path: epath.Path, checkpoint: str | int
+def list_checkpoint(path: epath.Path, checkpoint: str | int, folders=None
                     ) -> tuple[str | int, str | None]:
   """(`resolve_checkpoint`'s answer, `stale_average_note`'s for "auto", else
   None), from the checkpoint directories' listings (orbax) of the resolved
-  `path`."""
+  `path` (`folders`, their walk, is not needed here)."""
   listing = checkpoint_names.listing(path)
   which = resolve_checkpoint(path, checkpoint, listing)
   return which, (checkpoint == "auto" and stale_average_note(path, listing)) or None
 
 
 def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
-         choose: Callable[[epath.Path, str | int], tuple[str | int, str | None]]
+         choose: Callable[[epath.Path, str | int, tuple], tuple[str | int, str | None]]
          = list_checkpoint) -> Workdir:
   """`workdir` read once, the one door: its path resolved (`resolve`), its
   files checked, its model config and vocabulary found, `checkpoint`
   ("auto", "averaged", "latest", a step; None: none) chosen by
-  `choose(path, choice)` (default: listing the checkpoints; the decoding
-  loader's keeps what it listed: `serving_params.resolve`), and import.json
+  `choose(path, choice, folders)`, `folders` the checkpoint folders' walk
+  (`check_checkpoint_folders`; default: listing the checkpoints; the
+  decoding loader's keeps what it listed: `serving_params.resolve`), and import.json
   read if there is one. A record of the wrong type or an absurd size is one
   sentence naming the file. Nothing is restored.
 
@@ -447,11 +449,11 @@ def read(workdir: str | os.PathLike, checkpoint: str | int | None = "auto", *,
   check_files(os.fspath(workdir))  # (its messages name the workdir as the caller did)
   path = resolve(workdir)
   model_config = load_model_config(path)
+  which, note, folders = None, None, None
   if checkpoint is not None:  # (orbax reads them on its own: checked before it does)
-    check_checkpoint_folders(path)
-  which, note = (None, None) if checkpoint is None else choose(
-      path, checkpoint_choice(checkpoint))
+    folders = check_checkpoint_folders(path)
+    which, note = choose(path, checkpoint_choice(checkpoint), folders)
   return Workdir(path=path, model_config=model_config, vocab_path=vocab_path(path),
                  checkpoint=which, checkpoint_note=note,
                  imported=workdir_records.read_import(path),
-                 decoding=workdir_records.read_decoding(path))
+                 decoding=workdir_records.read_decoding(path), checkpoint_folders=folders)
