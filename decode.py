@@ -195,14 +195,14 @@ def main(argv) -> int:
     print(f"error: --cpu_devices={_CPU_DEVICES.value}: must be >= 0 (0 = JAX's default)",
           file=sys.stderr)
     return 2
-  from transformer.runtime import multihost
-  try:  # several processes (hosts) start as train.py's do
+  from transformer.runtime import compile_cache, multihost, xla_flags
+  try:  # $XLA_FLAGS checked before JAX starts; several processes start as train.py's do
+    xla_flags.check_environment(compile_cache.chosen_directory(_COMPILATION_CACHE.value))
     multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                               num_cpu_devices=_CPU_DEVICES.value or None)
   except ValueError as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
-  from transformer.runtime import compile_cache
   compile_cache.enable(_COMPILATION_CACHE.value)
   try:
     command.decode(request(), keep=_KEPT_UNTIL_EXIT)
@@ -230,7 +230,7 @@ def main_then_exit(argv) -> int:
   if command.uses_calling_threads(translate_options()):
     host_memory.run_computations_on_calling_threads()
   code = main(argv)
-  if jax.process_count() == 1:
+  if not jax.distributed.is_initialized():  # (asks no backend to start)
     for stream in (sys.stdout, sys.stderr):
       try:
         stream.flush()

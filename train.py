@@ -113,12 +113,17 @@ def default_workdir(config_path: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from transformer.runtime import multihost
+  from transformer.runtime import compile_cache, multihost, xla_flags
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("transformer").setLevel(logging.INFO)
+  try:  # before JAX starts, which stops the process on a flag its XLA lacks
+    xla_flags.check_environment(compile_cache.chosen_directory(_COMPILATION_CACHE.value))
+  except xla_flags.UnknownXlaFlag as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  from transformer.runtime import compile_cache, preemption
+  from transformer.runtime import preemption
   from transformer.training import loop as training
 
   compile_cache.enable(_COMPILATION_CACHE.value)

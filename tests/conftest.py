@@ -25,12 +25,13 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # settings are checked in its subprocesses, tests/test_decode_cli.py).
 gc.set_threshold(20_000, *gc.get_threshold()[1:])
 
-from helpers import CACHE_SETTINGS, FAST_COMPILE_FLAGS, TEST_CACHE_MAX_BYTES  # noqa: E402
+from helpers import CACHE_SETTINGS, TEST_CACHE_MAX_BYTES, fast_compile_flags  # noqa: E402
 from helpers import shared_compilation_cache  # noqa: E402
 
 # Before JAX starts its backend: this process's programs compiled as the
-# subprocesses' are (helpers.FAST_COMPILE_FLAGS says why).
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+# subprocesses' are (helpers.FAST_COMPILE_FLAGS says why; only the flags this
+# XLA knows).
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {fast_compile_flags()}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

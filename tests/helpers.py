@@ -8,6 +8,7 @@ blocking CI.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import os
@@ -34,8 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 # XLA compiling, the same translations; 2-core AVX-512, 2026-11-29). XLA's HLO
 # passes (fusion, layouts, the numerics they decide) still run; matmuls are the
 # same library calls. What users run is compiled with the defaults: the slow
-# tests' end-to-end CLI runs and benchmarks/ measure that.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# tests' end-to-end CLI runs and benchmarks/ measure that. XLA drops flags
+# between releases and stops a process on one it does not know (jaxlib 0.12
+# has no fusion-emitter switch), so each is set only where the installed XLA
+# knows it (`fast_compile_flags`).
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 # Cache every compilation, however small or quick (the defaults skip those).
 CACHE_SETTINGS = {
@@ -77,10 +81,19 @@ def shared_compilation_cache() -> Path | None:
   return Path(base) / "transformer" / "tests" / f"jax-{jaxlib.version.__version__}-{cpu}"
 
 
+@functools.cache
+def fast_compile_flags() -> str:
+  """Those of FAST_COMPILE_FLAGS this XLA knows, as an XLA_FLAGS string
+  (`runtime/xla_flags.known`: a probe process at the first run on a machine,
+  its verdict kept in the shared compilation cache's folder)."""
+  from transformer.runtime import xla_flags  # (imports JAX; starts no backend)
+  return " ".join(xla_flags.known(list(FAST_COMPILE_FLAGS), shared_compilation_cache()))
+
+
 def subprocess_env(cache_dir=None, *, fast_compile: bool = True, **extra: str) -> dict[str, str]:
   """The environment of a test subprocess: this one's, minus JAX_/XLA_
   settings and proxies (gRPC would route localhost through one), with the
-  repository importable, JAX on CPU, XLA at FAST_COMPILE_FLAGS unless
+  repository importable, JAX on CPU, XLA at `fast_compile_flags` unless
   `fast_compile` is False (an XLA_FLAGS in `extra` is added to them), and a
   persistent compilation cache in `cache_dir` (default: the tests' shared
   one, `shared_compilation_cache`); `extra` variables last."""
@@ -95,7 +108,7 @@ def subprocess_env(cache_dir=None, *, fast_compile: bool = True, **extra: str) -
     for name, value in CACHE_SETTINGS.items():
       env[name.upper()] = str(value)
   extra = dict(extra)
-  fast = FAST_COMPILE_FLAGS if fast_compile else ""
+  fast = fast_compile_flags() if fast_compile else ""
   env["XLA_FLAGS"] = f"{fast} {extra.pop('XLA_FLAGS', '')}".strip()
   env.update(extra)
   return env

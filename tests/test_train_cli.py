@@ -121,6 +121,20 @@ def test_bad_options_exit_with_a_one_line_error(args, expected, tmp_path):
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_an_xla_flag_this_xla_lacks_is_one_line_before_anything_is_written(tmp_path):
+  """XLA would stop the process at its first computation, in its own C++ log
+  (runtime/xla_flags.py); train.py says it first, in one line, exit status 2."""
+  env = env_for()
+  env["XLA_FLAGS"] += " --xla_no_such_flag_anywhere=1"
+  proc = train_py([f"--workdir={tmp_path / 'run'}", "--quiet", *CHEAP], env)
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.strip().splitlines() == [
+      line for line in proc.stderr.strip().splitlines()
+      if line.startswith("error: $XLA_FLAGS sets --xla_no_such_flag_anywhere=1, which this XLA")]
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+  assert not (tmp_path / "run").exists()
+
+
 # ----------------------------------------------------------------------------
 # Faults a user meets: one clear line each, nothing lost
 # ----------------------------------------------------------------------------

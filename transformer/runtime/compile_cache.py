@@ -50,32 +50,40 @@ def default_directory() -> str:
   return os.path.join(base, "transformer", "jax")
 
 
-def enable(directory: str | None = None) -> str | None:
-  """Turns the persistent compilation cache on (see the module docstring for
-  where). Returns the directory used, or None when it is off. Safe to call
-  more than once; a directory JAX already has is kept."""
+def chosen_directory(directory: str | None = None) -> str | None:
+  """The directory `enable(directory)` would use (None: the cache off),
+  changing nothing."""
   current = jax.config.jax_compilation_cache_dir
   if current and directory is None:
     return current
   choice = directory if directory is not None else os.environ.get(ENV, default_directory())
   if choice.strip().lower() in OFF:
     return None
-  choice = os.path.abspath(os.path.expanduser(choice))
+  return os.path.abspath(os.path.expanduser(choice))
+
+
+def enable(directory: str | None = None) -> str | None:
+  """Turns the persistent compilation cache on (see the module docstring for
+  where). Returns the directory used, or None when it is off. Safe to call
+  more than once; a directory JAX already has is kept."""
+  current = jax.config.jax_compilation_cache_dir
+  choice = chosen_directory(directory)
+  if choice is None or choice == current:
+    return choice
   try:
     os.makedirs(choice, exist_ok=True)
   except OSError as e:  # a read-only home, say: run without the cache, say so
     logger.warning("Compilation cache off: cannot create %s (%s).", choice, e.strerror or e)
     return None
-  if choice != current:
-    jax.config.update("jax_compilation_cache_dir", choice)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    # JAX decides whether to use a cache at its first compile; ask it again.
-    from jax.experimental.compilation_cache import compilation_cache
-    compilation_cache.reset_cache()
-    try:
-      prune_least_recently_used(Path(choice), MAX_JAX_BYTES, names=JAX_ENTRY)
-    except OSError as e:  # (a read-only cache: used as it is)
-      logger.warning("Could not prune the compilation cache %s (%s).", choice, e)
+  jax.config.update("jax_compilation_cache_dir", choice)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+  # JAX decides whether to use a cache at its first compile; ask it again.
+  from jax.experimental.compilation_cache import compilation_cache
+  compilation_cache.reset_cache()
+  try:
+    prune_least_recently_used(Path(choice), MAX_JAX_BYTES, names=JAX_ENTRY)
+  except OSError as e:  # (a read-only cache: used as it is)
+    logger.warning("Could not prune the compilation cache %s (%s).", choice, e)
   return choice
 
 
