@@ -411,6 +411,23 @@ def test_other_code_or_options_are_other_decoders(cache_dir, monkeypatch):
   assert stats["decoders_loaded"] == 0
 
 
+def test_a_decoder_is_kept_under_the_jax_and_jaxlib_that_compiled_it(monkeypatch):
+  """A serialized executable promises nothing to another JAX (the pin allows
+  0.10 through 0.12): its file name changes with either version, so a workdir
+  compiled under one is compiled again, once, under another, never loaded."""
+  import jaxlib
+  parts = {"decoder": "greedy", "shapes": "(8, 16)"}
+  here = executable_cache.key(parts)
+  assert executable_cache.key(dict(parts)) == here  # (the same process: the same name)
+  monkeypatch.setattr(jaxlib, "__version__", "0.12.0.1" if jaxlib.__version__ != "0.12.0.1"
+                      else "0.10.2")
+  other_jaxlib = executable_cache.key(parts)
+  monkeypatch.undo()
+  monkeypatch.setattr(jax, "__version__", "0.11.2")
+  other_jax = executable_cache.key(parts)
+  assert len({here, other_jaxlib, other_jax}) == 3
+
+
 def test_a_file_that_does_not_load_is_compiled_again(cache_dir, caplog):
   """... and kept again whole, although JAX's persistent cache now holds the
   program (a decoder read from there would not serialize whole)."""
