@@ -64,7 +64,8 @@ _INPUT = flags.DEFINE_string(
     "(or '-'): standard input.")
 _OUTPUT = flags.DEFINE_string(
     "output", None, "Where to write the translations, one line per input line. Default "
-    "(or '-'): standard output. A file is written atomically (temp file + rename).")
+    "(or '-'): standard output. A file is appended window by window, with a progress "
+    "record: the same command resumes an interrupted run.")
 _METHOD = flags.DEFINE_string(
     "method", "beam", f"Decoding strategy: {' | '.join(decoding_options.METHODS)}.")
 _BEAM_SIZE = flags.DEFINE_integer(
@@ -135,8 +136,8 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "Multi-host: this process's index (or $JAX_PROCESS_ID).")
 _CHECKPOINT = flags.DEFINE_string(
-    "checkpoint", "auto", "Which parameters: auto (the averaged checkpoint if there is "
-    "one, else the latest) | averaged | latest | <step number>.")
+    "checkpoint", "auto", "Which parameters: auto (the averaged checkpoint unless a "
+    "later step was saved after it, else the latest) | averaged | latest | <step number>.")
 _PLOT_ATTENTION = flags.DEFINE_string(
     "plot_attention", None, "Directory: write <DIR>/<line number>.png for each non-empty "
     "input line, the encoder-decoder attention of its translation as heat maps, one "

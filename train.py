@@ -117,12 +117,12 @@ def main(argv):
   # orbax logs every save at INFO; keep the console for our own messages.
   absl_logging.set_verbosity(absl_logging.WARNING)
   logging.getLogger("transformer").setLevel(logging.INFO)
-  try:  # before JAX starts, which stops the process on a flag its XLA lacks
+  try:  # $XLA_FLAGS before JAX starts (XLA stops a process on a flag it lacks); the hosts
     xla_flags.check_environment(compile_cache.chosen_directory(_COMPILATION_CACHE.value))
-  except xla_flags.UnknownXlaFlag as e:
-    print(f"error: {e}", file=sys.stderr)
+    multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except ValueError as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     return 2
-  multihost.start_processes(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   from transformer.runtime import preemption
   from transformer.training import loop as training
 

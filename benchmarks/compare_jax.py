@@ -11,9 +11,9 @@ one after the other, never at once. Measured in each:
   * the training step of shape S (benchmarks/bench_train.py: seconds per
     step, MFU against the matmul peak measured in the same run);
   * a small-corpus run: configs/small_corpus.py on ../shared/corpora/
-    gettext-en-fr at d_model 256 (the width fixed, not timed, so that both
-    train the same model), `--minutes` of budget: the steps it took and its
-    test BLEU;
+    gettext-en-fr at d_model 128 (`--d_model`: the width fixed, not timed,
+    so that both train the same model), `--minutes` of budget: the steps it
+    took and its test BLEU;
   * decode.py of `--lines` test sentences (beam 4, the recipe's) with the
     workdir that environment A trained: cold (an empty compilation cache, so
     everything is traced and compiled) and warm (the same command again,
@@ -66,14 +66,16 @@ def train_step(python: str, repeats: int, scratch: str) -> dict:
   return {"step_s": row["step_s"], "mfu": row.get("mfu")}
 
 
-def small_corpus_run(python: str, minutes: float, workdir: str, cache: str) -> dict:
+def small_corpus_run(python: str, minutes: float, d_model: int, workdir: str,
+                     cache: str) -> dict:
   env = dict(os.environ, TRANSFORMER_COMPILATION_CACHE=cache)
   _, out = run(python, [
       "train.py", "--config=configs/small_corpus.py", f"--workdir={workdir}",
       f"--config.data.train_path={CORPUS}/train.tsv",
       f"--config.data.eval_path={CORPUS}/valid.tsv",
       f"--config.data.test_path={CORPUS}/test.tsv",
-      f"--config.train_minutes={minutes}", "--config.model_for_budget=fixed"], env=env)
+      f"--config.train_minutes={minutes}", "--config.model_for_budget=fixed",
+      f"--config.model.d_model={d_model}", f"--config.model.d_ff={4 * d_model}"], env=env)
   steps = re.search(r"Trained (\d+) steps", out)
   bleu = re.search(r"BLEU\D{0,12}(\d+(?:\.\d+)?)", out)
   return {"steps": int(steps.group(1)) if steps else None,
@@ -99,7 +101,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--python_a", required=True, help="the first environment's python")
   parser.add_argument("--python_b", required=True, help="the second environment's python")
-  parser.add_argument("--minutes", type=float, default=4.0, help="the small-corpus run's budget")
+  parser.add_argument("--minutes", type=float, default=5.0, help="the small-corpus run's budget")
+  parser.add_argument("--d_model", type=int, default=128, help="the small-corpus run's width")
+  parser.add_argument("--only", choices=("all", "run"), default="all",
+                      help="run: the small-corpus runs alone")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--lines", type=int, default=1000)
   parser.add_argument("--scratch", default="", help="where the runs go (default: a temporary folder)")
@@ -117,11 +122,15 @@ def main() -> None:
     os.makedirs(where, exist_ok=True)
     results[name] = {"version": version(python)}
     print(f"{name}: {results[name]['version']}", flush=True)
-    results[name]["train"] = train_step(python, args.repeats, where)
-    results[name]["run"] = small_corpus_run(python, args.minutes, os.path.join(where, "run"),
-                                            os.path.join(where, "cache"))
+    results[name]["train"] = (train_step(python, args.repeats, where) if args.only == "all"
+                              else {"step_s": None, "mfu": None})
+    results[name]["run"] = small_corpus_run(python, args.minutes, args.d_model,
+                                            os.path.join(where, "run"), os.path.join(where, "cache"))
     print(f"{name}: {results[name]['train']} {results[name]['run']}", flush=True)
   for name, python in (("A", args.python_a), ("B", args.python_b)):
+    if args.only == "run":
+      results[name]["decode"] = {"cold_s": None, "warm_s": None, "output": b""}
+      continue
     results[name]["decode"] = decode(python, os.path.join(scratch, "A", "run"), source,
                                      args.repeats, os.path.join(scratch, name))
 
@@ -131,7 +140,7 @@ def main() -> None:
   print("| figure | A | B | B / A |\n|---|---|---|---|")
   rows = [("training step, shape S (s)", a["train"]["step_s"], b["train"]["step_s"]),
           ("training step MFU", a["train"]["mfu"], b["train"]["mfu"]),
-          (f"small-corpus run, {args.minutes:g} min: steps", a["run"]["steps"], b["run"]["steps"]),
+          (f"small-corpus run, d_model {args.d_model}, {args.minutes:g} min: steps", a["run"]["steps"], b["run"]["steps"]),
           ("  its test BLEU", a["run"]["bleu"], b["run"]["bleu"]),
           (f"decode.py, {args.lines} lines, beam 4, cold (s)", a["decode"]["cold_s"],
            b["decode"]["cold_s"]),

@@ -12,7 +12,7 @@ included) and ends with the test split's BLEU / chrF, its translations and
 curves.png in the workdir.
 
 Chosen by measurement on ../shared/corpora/gettext-en-fr (53k English->French
-software messages, 2 CPU cores; docs/training.md, "Your own corpus"), and
+software messages, 2 CPU cores; docs/benchmarks.md), and
 nothing in it tied to the speed of the machine it was tuned on:
 
   * pre-LN: the paper's post-LN stalled at the unigram level with a short

@@ -34,8 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 # fixture model's beam, greedy and sampling decoders: 8.7-9.1 -> 4.1-5.3 s of
 # XLA compiling, the same translations; 2-core AVX-512, 2026-11-29). XLA's HLO
 # passes (fusion, layouts, the numerics they decide) still run; matmuls are the
-# same library calls. What users run is compiled with the defaults: the slow
-# tests' end-to-end CLI runs and benchmarks/ measure that. XLA drops flags
+# same library calls. What users run is compiled with the defaults:
+# benchmarks/ measure that, and tests/fixtures/workdir_decode_cli (whose exact
+# translations a test pins) was trained with them. XLA drops flags
 # between releases and stops a process on one it does not know (jaxlib 0.12
 # has no fusion-emitter switch), so each is set only where the installed XLA
 # knows it (`fast_compile_flags`).

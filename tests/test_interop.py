@@ -131,6 +131,32 @@ def test_the_command_names_a_missing_workdir(tmp_path):
   assert "nowhere" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_without_the_interop_extra_each_command_says_what_to_install(tmp_path, monkeypatch,
+                                                                     capsys):
+  """A module of the `interop` extra missing: one line naming it and the
+  install command, not a traceback (sys.modules[name] = None: its import fails)."""
+  from transformer.interop import marian
+  monkeypatch.setitem(sys.modules, "ctranslate2", None)
+  code = ctranslate2_export.main([f"--workdir={FIXTURE_WORKDIR}",
+                                  f"--output_dir={tmp_path / 'ct2'}"])
+  err = capsys.readouterr().err
+  assert code == 1 and err.splitlines() == [
+      'error: ctranslate2 is not installed; the interop extra installs it: '
+      'pip install -e ".[interop]" (or pip install "ctranslate2")'], err
+  hf = tmp_path / "hf"  # (a Hugging Face Marian folder's names: read with safetensors)
+  hf.mkdir()
+  for name in marian.HF_FILES:
+    (hf / name).write_bytes(b"{}" if name.endswith(".json") else b"")
+  monkeypatch.setitem(sys.modules, "safetensors", None)
+  monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
+  code = marian.main([f"--model={hf}", f"--workdir={tmp_path / 'w'}"])
+  err = capsys.readouterr().err
+  assert code == 2 and err.splitlines() == [
+      'error: safetensors is not installed; the interop extra installs it: '
+      'pip install -e ".[interop]" (or pip install "safetensors")'], err
+  assert not (tmp_path / "w").exists() and not (tmp_path / "ct2").exists()
+
+
 def test_a_fixed_step_run_decodes_every_row_exactly_that_many_steps(trained, tmp_path):
   """bench_vs_ctranslate2 --fixed_steps compares the engines' step alone: under
   its options every hypothesis of ours (greedy, beam n-best) holds exactly N

@@ -10,7 +10,7 @@ plan. The length buckets themselves are `batching.py`'s.
 
 Every policy that depends on the platform lives in `Policy`, each with its
 measured gain beside it (2-core CPUs, the small-corpus model, gettext lines;
-docs/decoding.md and docs/benchmarks.md have the tables). On a GPU or TPU
+docs/benchmarks.md has the tables). On a GPU or TPU
 padding is cheap and each extra program is seconds of compiling, so they
 are off there: whole batches, one decoder per bucket.
 """
@@ -39,7 +39,7 @@ FINE_SHRINK_FACTOR, FINE_SHRINK_MIN_ROWS = 2, 8192
 # CPU): its steps read the whole self-attention cache (one copy of the
 # attention per layer instead of four) and its batch shrinks once (128 -> 32):
 # whole greedy commands 1.04-1.05x on 1,000 gettext lines, 1.035x on 5,000;
-# break-even near 900 rows at batch 128 (docs/decoding.md).
+# break-even near 900 rows at batch 128 (docs/benchmarks.md).
 SMALL_DECODER_MAX_ROWS = 1023
 # Decode the longest batches first: lanes that take the next batch as they free
 # up then end together, instead of one lane decoding the longest batch alone
@@ -94,7 +94,7 @@ class Policy:
   # A batch goes on with fewer rows once most of its inputs are done. CPU:
   # 1.6-3x greedy, 1.2-2x beam throughput; an H200: no gain greedy, 1.1x beam 4,
   # for twice the compiling (43.5 against 27.6 s greedy, 53.9 against 26.7 s
-  # beam for 1,000 lines at batch 128; docs/decoding.md).
+  # beam for 1,000 lines at batch 128; docs/benchmarks.md).
   shrink_batches: bool = True
   # The encoder reads a batch's sentences packed several to a row
   # (`source_packing`), not each padded to the batch's length: a CPU with

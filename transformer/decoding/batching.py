@@ -36,14 +36,14 @@ FIRST_SEARCH_EXTRA = 16
 # decoder. 1,000 gettext lines, the 10-minute small-corpus model, 2-core AVX2
 # CPU, in one process (5 alternating rounds): greedy 1.97 -> 1.84 s, beam 4
 # 5.96 -> 5.50 s, the same translations; a first decode.py compiles 1 decoder
-# fewer (greedy 3 -> 2, beam 4 5 -> 4: docs/decoding.md).
+# fewer (greedy 3 -> 2, beam 4 5 -> 4: docs/benchmarks.md).
 FIRST_SEARCH_MAX_SHARE = 0.75
 # What a decoder of its own costs, in the units of padding (decoder rows
 # times the growth of the squared padded length): loading one from disk costs
 # ~0.2 s however few rows it decodes (compiling it, seconds), and padding a
 # row from L to L' tokens ~2e-7 s x (L'^2 - L^2) (its steps and the cache and
 # source they read grow with L; greedy, the small-corpus model, 2 CPU cores:
-# docs/decoding.md). `shared_buckets` weighs the two.
+# docs/benchmarks.md). `shared_buckets` weighs the two.
 DECODER_COST = 2**20
 # `length_batches` cuts batches of at most this many inputs where they pad the
 # least (its dynamic programming holds batches x this^2 numbers); larger
@@ -125,7 +125,7 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
   slower). Greedy search and sampling only, on a CPU
   (`batch_plan.Policy.cut_least_padding`): beam search's batches decoded 3% slower
   cut so (their longest inputs, fewer to a batch, no longer fit the sizes
-  it shrinks to; docs/decoding.md)."""
+  it shrinks to; docs/benchmarks.md)."""
   shared = shared or {}
   todo = sorted((i for i, ids in enumerate(encoded) if ids), key=lambda i: len(encoded[i]))
   lengths = [shared.get(length, length)
@@ -143,7 +143,7 @@ def length_batches(encoded: Sequence[list[int]], max_length: int,
     # Only where that at least halves the padding: the measure is crude (a
     # batch's time also depends on how its longest inputs fill the sizes it
     # shrinks to), and cuts that saved 3% of it decoded beam search 2-7%
-    # slower (docs/decoding.md).
+    # slower (docs/benchmarks.md).
     if 2 * _padding(lengths, least) <= _padding(lengths, cuts):
       cuts = least
   return [(lengths[end - 1], todo[start:end]) for start, end in zip(cuts, cuts[1:])]

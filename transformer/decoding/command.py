@@ -36,7 +36,7 @@ from transformer.runtime import workdir as workdir_lib
 # batch) on gettext lines: 20,000 lines 1.07x faster, 5,000 1.02x, 1,000 the
 # same. Smaller batches keep JAX's asynchronous dispatch, which lets a lane
 # queue its next batch while one runs: beam 4 at 32 was 4-6% slower on 1,000
-# lines without it (docs/decoding.md).
+# lines without it (docs/benchmarks.md).
 CALLING_THREAD_MIN_ROWS = 512
 
 

@@ -147,7 +147,7 @@ def _decode_in_lanes(decoders: Decoders, batches, args: Arguments, finish, lanes
   temporaries come from that thread's heap, and the main thread's (glibc's
   main heap) keeps freed blocks of any size for the next batch, where a
   thread's own keeps none over 64 MB (beam 4 at batch 128: 397k -> 184k
-  page faults per later call on 1,000 gettext lines; docs/decoding.md)."""
+  page faults per later call on 1,000 gettext lines; docs/benchmarks.md)."""
   queue = iter(batches)
   take = threading.Lock()  # (lanes take the next batch in turn)
   failed = threading.Event()  # (one lane's error stops the others)

@@ -83,7 +83,7 @@ class Translator:
       in bfloat16, the products summed in the model's dtype; the rest
       (embeddings, attention over the cache, LayerNorm, softmax, search) as
       the model says. On a CPU with AVX512-BF16 or AMX 1.2-1.4x faster with
-      the same BLEU (docs/decoding.md); on one without, a warning.
+      the same BLEU (docs/benchmarks.md); on one without, a warning.
     workdir: the `workdir.Workdir` the model was read from (the loader's),
       or None: its compiled decoders are also kept in, and read from,
       `<workdir>/compiled/`, so that they travel with the model

@@ -48,6 +48,7 @@ import numpy as np
 
 from transformer.data.marian_tokenizer import MarianTokenizer
 from transformer.data.tokenizer import UNK_ID, Tokenizer
+from transformer.interop import missing_extra
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import sinusoidal_positional_encoding
 
@@ -223,6 +224,11 @@ def main(argv=None) -> int:
                          quantization=args.quantization, force=args.force)
   except (OSError, ValueError, RuntimeError) as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    return 1
+  except ModuleNotFoundError as e:  # (the interop extra not installed: one line, not a traceback)
+    if (message := missing_extra(e)) is None:
+      raise
+    print(f"error: {message}", file=sys.stderr)
     return 1
   print(f"wrote {out} ({args.quantization}) with its SentencePiece model(s): "
         f"{', '.join(sorted(n for n in os.listdir(out) if n.endswith(('.model', '.spm'))))}")

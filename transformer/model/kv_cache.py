@@ -46,7 +46,7 @@ CACHE_PREFIX_PARTS = 4  # static prefixes a step chooses from (1 = the whole cac
 # within noise of 4 parts (1,000 gettext lines: 8.8 against 9.0 s in one A/B,
 # 6% slower in another) for 0.55x the compile time (12.1 against 21.8 s; a
 # first decode.py of those lines 26.6 against 36.5 s); greedy's gains 11%
-# (2.28 against 2.57 s) for 1.4x (10.5 against 7.8 s). docs/decoding.md.
+# (2.28 against 2.57 s) for 1.4x (10.5 against 7.8 s). docs/benchmarks.md.
 BEAM_CACHE_PREFIX_PARTS = 1
 # What `prefix_parts` sets for the steps traced under it (None: the above).
 _PREFIX_PARTS = contextvars.ContextVar("cache_prefix_parts", default=None)

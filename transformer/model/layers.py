@@ -49,7 +49,7 @@ class Dense(nn.Module):
   With `matmul_dtype` (e.g. bfloat16), x and W enter the product in that
   dtype and it sums in `dtype`: on a CPU with AVX512-BF16 a bfloat16 product
   runs about twice as fast as a float32 one (decoding 1.2-1.4x faster with
-  the same BLEU, docs/decoding.md); a W already stored so is not cast again.
+  the same BLEU, docs/benchmarks.md); a W already stored so is not cast again.
 
   Shapes: x `[..., *in]` -> `[..., *features]`, where `in` = x.shape[-in_dims:].
   """

@@ -27,7 +27,7 @@ of config.vocab_path when that is set, so that the workdir alone is enough to
 decode); a workdir without it (one whose vocab.model was deleted, or written
 before train.py made that copy) falls back to the vocab_path in its config.json.
 
-Which checkpoint: "auto" (the averaged one if there is one, else the latest),
+Which checkpoint: "auto" (the averaged one unless a later step was saved after it, else the latest),
 "averaged", "latest", or a step number; `resolve_checkpoint` turns that into
 "averaged" or a step, or an error that says what is missing and what to do.
 

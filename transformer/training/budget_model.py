@@ -6,7 +6,7 @@ TRAINING_SHARE of config.train_minutes. On a slow machine a smaller model
 that takes more steps learns more in the same minutes (gettext-en-fr, two
 cores: d_model 128 at 1,042 steps reached 47.6 test BLEU in 20 minutes
 where d_model 256 at 725 steps reached 46.5 in 10 minutes on a faster CPU;
-docs/training.md, "Your own corpus").
+docs/benchmarks.md).
 
 A candidate is timed, not estimated: an estimate from the matmul peak at a
 fixed MFU was 1.4-2.8x too pessimistic on one CPU and 1.1x too optimistic on

@@ -59,7 +59,7 @@ BEAM_COST = 3.5
 # translates (its own decoders, whatever the method: `report.test_report`):
 # beam 4 16.5 / 6.5 s (2.5) on a quiet 2-core AVX2 CPU, 41.7 / 10.7 s (3.9)
 # beside another job; greedy 15.5 / 6.5 s (2.4) (small_corpus's model on
-# gettext-en-fr: docs/training.md). Overrunning the budget is worse than
+# gettext-en-fr: docs/benchmarks.md). Overrunning the budget is worse than
 # ending a few seconds early: 3.
 TEST_COMPILE_COST = 3.0
 # Compile seconds of the length penalty's beam decoder (config.length_penalty_
