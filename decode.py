@@ -142,6 +142,11 @@ _PLOT_ATTENTION = flags.DEFINE_string(
     "plot_attention", None, "Directory: write <DIR>/<line number>.png for each non-empty "
     "input line, the encoder-decoder attention of its translation as heat maps, one "
     "panel per decoder layer (heads averaged), source pieces on x, target pieces on y.")
+_SCORE = flags.DEFINE_bool(
+    "score", False, "Score instead of translate: each input line is source<TAB>target, each "
+    "output line the target's log-probability (sum, token count, per-token values).")
+_ALIGNMENT = flags.DEFINE_bool(
+    "alignment", False, "With --score: also each target token's most attended source token.")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar and no summary line "
                            "(warnings and errors are still printed).")
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -175,7 +180,8 @@ def request() -> command.Request:
       options=translate_options(), checkpoint=_CHECKPOINT.value,
       output_format=_OUTPUT_FORMAT.value, window_lines=_WINDOW_LINES.value,
       param_sharding=_PARAM_SHARDING.value, weights_dtype=_WEIGHTS_DTYPE.value,
-      trust_compiled=_TRUST_COMPILED.value, plot_dir=_PLOT_ATTENTION.value, quiet=_QUIET.value)
+      trust_compiled=_TRUST_COMPILED.value, plot_dir=_PLOT_ATTENTION.value, quiet=_QUIET.value,
+      score=_SCORE.value, alignment=_ALIGNMENT.value)
 
 
 # Objects `main_then_exit` lets the process end with instead of freeing them:

@@ -272,7 +272,8 @@ def decode_in_process(decode_py, *flags, stdin: str = "a\n"):
   import io
   from absl import flags as absl_flags
   from absl import logging as absl_logging
-  verbosity, out, err = absl_logging.get_verbosity(), io.StringIO(), io.StringIO()
+  verbosity, err = absl_logging.get_verbosity(), io.StringIO()
+  out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # (a .buffer, as sys.stdout has)
   old_stdin = sys.stdin
   sys.stdin = io.StringIO(stdin)
   try:
@@ -288,7 +289,8 @@ def decode_in_process(decode_py, *flags, stdin: str = "a\n"):
     sys.stdin = old_stdin
     absl_flags.FLAGS.unparse_flags()
     absl_logging.set_verbosity(verbosity)
-  return subprocess.CompletedProcess(["decode.py", *flags], code, out.getvalue().encode(),
+  out.flush()
+  return subprocess.CompletedProcess(["decode.py", *flags], code, out.buffer.getvalue(),
                                      err.getvalue().encode())
 
 
@@ -679,3 +681,89 @@ def test_large_batches_run_computations_on_the_threads_that_call_them(workdir, e
        "import decode, jax; print(jax.config.read('jax_cpu_enable_async_dispatch'))"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   assert imported.stdout.split() == ["True"], imported.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------
+# --score: given translations scored, through the same streaming path
+# ----------------------------------------------------------------------------
+
+SCORED = ["nine hundred eighty-seven old lamps\tneunhundertsiebenundachtzig alte Lampen",
+          "one red cat\teine rote Katze",
+          "\t",                                     # a blank pair: the EOS alone
+          "eight hundred nineteen old trees\tachthundertneunzehn alte Bäume",
+          "two small cats\tzwei\tkleine Katzen"]   # (the target is all after the first tab)
+
+
+def test_score_writes_one_line_per_pair_as_the_api_scores_it(workdir, decode_py, tmp_path):
+  from transformer.decoding import loader
+  infile, out, jsonl = tmp_path / "pairs.tsv", tmp_path / "scores.txt", tmp_path / "s.jsonl"
+  infile.write_text(_text(SCORED))
+  ok = decode_in_process(decode_py, f"--workdir={workdir}", f"--input={infile}",
+                         f"--output={out}", "--score", "--batch_size=2")
+  assert ok.returncode == 0, ok.stderr.decode()
+  assert "scored 5 pairs" in ok.stderr.decode()
+  ok = decode_in_process(decode_py, f"--workdir={workdir}", f"--input={infile}",
+                         f"--output={jsonl}", "--score", "--alignment", "--output_format=jsonl")
+  assert ok.returncode == 0, ok.stderr.decode()
+  pairs = [line.split("\t", 1) for line in SCORED]
+  expected = loader.load_translator(workdir).score([s for s, _ in pairs], [t for _, t in pairs],
+                                                   alignment=True)
+  lines = out.read_text().splitlines()
+  records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+  assert len(lines) == len(records) == len(SCORED)  # N lines in, N out
+  for line, record, (source, target), score in zip(lines, records, pairs, expected):
+    total, tokens, each = line.split("\t")
+    assert int(tokens) == score.tokens == record["tokens"] == len(each.split())
+    assert float(total) == pytest.approx(score.log_prob, abs=1e-5)
+    assert [float(x) for x in each.split()] == pytest.approx(score.token_log_probs, abs=1e-5)
+    assert (record["source"], record["target"]) == (source, target)
+    assert record["logprob"] == pytest.approx(score.log_prob, abs=1e-5)
+    assert record["alignment"] == score.alignment
+  assert [r["line"] for r in records] == [1, 2, 3, 4, 5]
+  assert lines[2].split("\t")[1] == "1"  # (the blank pair: its EOS)
+
+
+def test_score_names_a_line_without_a_tab_after_writing_the_lines_before_it(
+    workdir, decode_py, tmp_path):
+  infile, out = tmp_path / "pairs.tsv", tmp_path / "scores.txt"
+  infile.write_text(_text([SCORED[0], SCORED[1], "a line without a tab", SCORED[3]]))
+  result = decode_in_process(decode_py, f"--workdir={workdir}", f"--input={infile}",
+                             f"--output={out}", "--score")
+  _error(result, f"{infile}:3: line 3 has no tab: --score reads source<TAB>target lines "
+         "(the scores of the lines before it are written)", code=2)
+  assert len(out.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--alignment"], "--alignment: the alignment of a scored target; add --score"),
+    (["--score", "--n_best=2"], "--n_best=2: --score scores the one target"),
+    (["--score", "--plot_attention=plots"], "--plot_attention draws translations"),
+])
+def test_score_option_errors(workdir, decode_py, flags, needle):
+  _error(decode_in_process(decode_py, f"--workdir={workdir}", *flags), needle, code=2)
+
+
+def test_an_interrupted_score_resumes_to_the_same_bytes(workdir, decode_py, tmp_path,
+                                                        monkeypatch):
+  from transformer.decoding.translator import Translator
+  infile = tmp_path / "pairs.tsv"
+  infile.write_text(_text(SCORED * 3))
+  whole, part = tmp_path / "whole.txt", tmp_path / "part.txt"
+  flags = [f"--workdir={workdir}", f"--input={infile}", "--score", "--window_lines=4"]
+  assert decode_in_process(decode_py, *flags, f"--output={whole}").returncode == 0
+  real, calls = Translator.score, []
+
+  def stopped_at_the_third_window(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+      raise KeyboardInterrupt  # (Ctrl-C: the two windows before it are on disk)
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(Translator, "score", stopped_at_the_third_window)
+  assert decode_in_process(decode_py, *flags, f"--output={part}").returncode == 130
+  assert len(part.read_text().splitlines()) == 8
+  assert (tmp_path / "part.txt.progress.json").exists()
+  monkeypatch.setattr(Translator, "score", real)
+  resumed = decode_in_process(decode_py, *flags, f"--output={part}")
+  assert resumed.returncode == 0 and "resumed after line 8" in resumed.stderr.decode()
+  assert part.read_bytes() == whole.read_bytes()

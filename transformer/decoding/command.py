@@ -63,6 +63,8 @@ class Request:
   trust_compiled: str | None = None  # --trust_compiled=KEY: `loader.load_translator`'s
   plot_dir: str | None = None  # --plot_attention
   quiet: bool = False
+  score: bool = False  # --score: the input's source<TAB>target pairs scored, not translated
+  alignment: bool = False  # --alignment: with --score, each target token's source token
 
 
 def option_error(error) -> str:
@@ -78,6 +80,14 @@ def check_options(request: Request) -> None:
                      "(e.g. --workdir=runs/demo)")
   if request.window_lines < 1:
     raise UsageError(f"--window_lines={request.window_lines}: must be >= 1")
+  if request.alignment and not request.score:
+    raise UsageError("--alignment: the alignment of a scored target; add --score")
+  if request.score and request.options.get("n_best", 1) != 1:
+    raise UsageError(f"--n_best={request.options['n_best']}: --score scores the one target "
+                     "each line gives")
+  if request.score and request.plot_dir:
+    raise UsageError("--plot_attention draws translations: leave it out with --score "
+                     "(--alignment gives each target token's source token)")
   try:
     decoding_options.check_options(
         **{k: v for k, v in request.options.items() if k != "seed"})
@@ -190,15 +200,18 @@ def decode(request: Request, keep: list | None = None) -> dict:
     stats = streaming.decode_file(
         translator, request.input_path, request.output_path, options=request.options,
         run=run_key, output_format=request.output_format, window_lines=request.window_lines,
-        progress=not request.quiet, on_results=plot if request.plot_dir else None)
+        progress=not request.quiet, on_results=plot if request.plot_dir else None,
+        score=request.score, alignment=request.alignment)
   except streaming.ResumeMismatch as e:
     raise UsageError(str(e)) from None
-  except text_io.NotUtf8Error as e:
-    raise UsageError(f"{e} (the translations of the lines before it are written)") from None
+  except (text_io.NotUtf8Error, streaming.NotAPair) as e:
+    done = "scores" if request.score else "translations"
+    raise UsageError(f"{e} (the {done} of the lines before it are written)") from None
   except text_io.TextFileError as e:
     raise WorkdirError(f"--output={e.path}: {e.problem}") from None
   if not request.quiet and jax.process_index() == 0:
-    line = output.summary_line(stats, method=request.options.get("method", "beam"),
+    method = "scored" if request.score else request.options.get("method", "beam")
+    line = output.summary_line(stats, method=method,
                                checkpoint=described, plots=plots,
                                weights_dtype=request.weights_dtype)
     if stats["resumed_at"]:

@@ -1,7 +1,8 @@
 """The decoders of one model on this process's devices: the parameters as they
 serve (on the devices, projections in their matmul dtype), one compiled program
 per `batch_plan.DecoderShape`, kept for call after call and on disk
-(`executable_cache.py`), and the cross-attention function for plots.
+(`executable_cache.py`), the cross-attention function for plots and the
+teacher-forced scoring of given translations (`score_fn`).
 
 A decoder, for one batch of shape `shape`:
   (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
@@ -65,6 +66,7 @@ class Decoders:
     self.executables: dict[DecoderShape, jax.stages.Compiled] = {}
     self.loaded = 0  # of them, how many `executable_cache` loaded (per call: the caller resets)
     self._cross_attention = None  # (`cross_attention_fn`)
+    self._score = {}  # (`score_fn`, by whether it returns the alignment)
     self._logits_kernel_fn = None  # (`_logits_kernel`)
 
   @functools.cached_property
@@ -253,6 +255,44 @@ class Decoders:
     n, max_len], scores [rows, n], done [rows]) as device arrays, still being
     computed."""
     return self.executables[shape](self.params, self.logits_kernel, *inputs)
+
+  def score_fn(self, alignment: bool = False):
+    """Jitted teacher forcing, one forward pass per batch (as training's loss):
+    (params, inputs [rows, src], decoder_inputs [rows, tgt], targets [rows, tgt])
+    -> log p of each target token given the source and the tokens before it
+    [rows, tgt] float32; with `alignment`, also the source position each target
+    token attends to most [rows, tgt] int32 (the last decoder layer's
+    encoder-decoder attention, averaged over its heads)."""
+    if alignment in self._score:
+      return self._score[alignment]
+    cfg, model = self.config, self.model
+
+    def run(params, inputs, decoder_inputs, targets):
+      if alignment:
+        logits, state = model.apply({"params": params}, inputs, decoder_inputs,
+                                    mutable=["intermediates"])
+      else:
+        logits = model.apply({"params": params}, inputs, decoder_inputs)
+      # log p(target) = its logit - logsumexp(logits): the [rows, tgt, vocab]
+      # log-softmax itself is never written out.
+      logits = logits.astype(jnp.float32)
+      picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+      token_log_probs = picked - jax.nn.logsumexp(logits, axis=-1)
+      if not alignment:
+        return token_log_probs
+      decoder = state["intermediates"]["decoder"]
+      if cfg.scan_layers:  # [layers, rows, heads, tgt, src]: the last layer
+        weights = decoder["layers"]["cross_attention"]["attention_weights"][0][-1]
+      else:
+        last = f"layers_{cfg.num_decoder_layers - 1}"
+        weights = decoder[last]["cross_attention"]["attention_weights"][0]
+      return token_log_probs, jnp.argmax(weights.mean(axis=1), axis=-1).astype(jnp.int32)
+
+    replicated = NamedSharding(self.mesh, P())
+    self._score[alignment] = jax.jit(
+        run, in_shardings=(self.param_shardings, replicated, replicated, replicated),
+        out_shardings=replicated)
+    return self._score[alignment]
 
   def cross_attention_fn(self):
     """Jitted (params, inputs [1, src], decoder_inputs [1, tgt]) -> the

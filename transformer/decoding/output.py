@@ -1,13 +1,13 @@
 """decode.py's text: the output lines (one per input line, N in -> N out; text
 or JSON lines), the summary line on stderr and the truncation warning, from
-`Translator.translate_hypotheses`' results and `last_stats`."""
+`Translator.translate_hypotheses`' (or `Translator.score`'s) results and `last_stats`."""
 
 from __future__ import annotations
 
 import json
 from typing import Sequence
 
-from transformer.decoding.translator import Hypothesis
+from transformer.decoding.translator import Hypothesis, Score
 
 
 def format_lines(first_line: int, sources: Sequence[str], results: Sequence[list[Hypothesis]],
@@ -22,6 +22,26 @@ def format_lines(first_line: int, sources: Sequence[str], results: Sequence[list
     return [one_line(hyps[0].text, tabs=False) for hyps in results]
   return ["\t".join(one_line(h.text, tabs=True) for h in hyps) if source.strip() else ""
           for source, hyps in zip(sources, results)]
+
+
+def format_scores(line_index: int, pair: Sequence[str], score: Score, output_format: str) -> str:
+  """The output line of a scored `source<TAB>target` pair (input line
+  `line_index` + 1). Text: the log-probability (the sum), the token count
+  (the EOS included), the tokens' log-probabilities, and with an alignment
+  the source token each target token attends to most, tab-separated; jsonl:
+  {"line", "source", "target", "logprob", "tokens", "token_logprobs"[, "alignment"]}."""
+  if output_format == "jsonl":
+    record = {"line": line_index + 1, "source": pair[0], "target": pair[1],
+              "logprob": score.log_prob, "tokens": score.tokens,
+              "token_logprobs": score.token_log_probs}
+    if score.alignment is not None:
+      record["alignment"] = score.alignment
+    return json.dumps(record, ensure_ascii=False)
+  fields = [f"{score.log_prob:.6f}", str(score.tokens),
+            " ".join(f"{x:.6f}" for x in score.token_log_probs)]
+  if score.alignment is not None:
+    fields.append(" ".join(map(str, score.alignment)))
+  return "\t".join(fields)
 
 
 def one_line(text: str, tabs: bool) -> str:
@@ -39,6 +59,12 @@ def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None
   description), the devices if several, and how many attention `plots` were
   written (None: none asked for)."""
   loaded, again = stats.get("decoders_loaded", 0), stats.get("searched_again", 0)
+  if method == "scored":  # (Translator.score: given targets, no search)
+    line = (f"scored {stats['sentences']} pairs, {stats['generated_tokens']} target tokens "
+            f"in {stats['seconds']:.1f} s (compiling {stats['compile_seconds']:.1f} s; "
+            f"{stats['tokens_per_second']:.1f} tokens/s scoring), "
+            f"{f'{weights_dtype} weights, ' if weights_dtype else ''}{checkpoint}")
+    return line + (f", on {stats['devices']} devices" if stats.get("devices", 1) > 1 else "")
   line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
           f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
           f"(compiling {stats['compile_seconds']:.1f} s; "

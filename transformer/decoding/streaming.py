@@ -32,6 +32,10 @@ Output formats: "text", one line per input line (n-best: the hypotheses
 tab-separated, best first); "jsonl", one JSON object per input line:
 {"line": 1-based number, "source": ..., "hypotheses": [{"text", "score",
 "log_prob", "length"}, ...]}.
+
+With `score`, each input line is a `source<TAB>target` pair, and its output
+line the target's log-probability under the model (`Translator.score`,
+`output.format_scores`); windows, batches, records and processes as above.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import sys
 import jax
 
 from transformer.data import text_io
-from transformer.decoding.output import format_lines
+from transformer.decoding.output import format_lines, format_scores
 from transformer.decoding.translator import Translator
 from transformer.runtime import multihost
 
@@ -58,6 +62,10 @@ _COUNTS = ("sentences", "decoded", "truncated", "generated_tokens", "seconds",
 
 class ResumeMismatch(ValueError):
   """A progress record made by another model, option or input than this run's."""
+
+
+class NotAPair(ValueError):
+  """A line to score that is not `source<TAB>target`."""
 
 
 def progress_path(output_path: str) -> str:
@@ -133,7 +141,7 @@ def _differences(stored: dict, requested: dict, prefix: str = "") -> list[str]:
 def decode_file(translator: Translator, input_path: str | None, output_path: str | None, *,
                 options: dict, run: dict, output_format: str = "text",
                 window_lines: int = WINDOW_LINES, progress: bool = False,
-                on_results=None) -> dict:
+                on_results=None, score: bool = False, alignment: bool = False) -> dict:
   """Translates the lines of `input_path` (None: standard input) into
   `output_path` (None: standard output), window by window, resuming from the
   progress record if there is one.
@@ -149,18 +157,23 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
     on_results: called as on_results(first line number (0-based), sources,
       hypotheses) with each window (e.g. to plot its attention); with several
       processes the hypotheses of the lines another process decoded are None.
+    score: the lines are `source<TAB>target` pairs, scored (`Translator.score`,
+      with `alignment`: each target token's most attended source token).
   Returns:
     {"lines": input lines, "resumed_at": lines found done, "sentences",
      "decoded", "truncated", "generated_tokens", "seconds", "compile_seconds",
      "host_seconds", "decoders_loaded", "devices", "tokens_per_second"}: this process's work in
     this run (`output.summary_line` prints it).
   Raises:
-    text_io.NotUtf8Error at a line that is not UTF-8, the lines before it
-    written; ResumeMismatch; text_io.TextFileError.
+    text_io.NotUtf8Error at a line that is not UTF-8, or (`score`) NotAPair
+    at a line without a tab, the lines before it written; ResumeMismatch;
+    text_io.TextFileError.
   """
   n_best = options.get("n_best", 1)
-  run = json.loads(json.dumps(dict(run, options=options, output_format=output_format,
-                                   input=input_path)))  # (as it reads back from JSON)
+  run = dict(run, options=options, output_format=output_format, input=input_path)
+  if score:
+    run.update(score=True, alignment=alignment)
+  run = json.loads(json.dumps(run))  # (as it reads back from JSON)
   is_main = jax.process_index() == 0
   record_path = progress_path(output_path) if output_path else None
   record = _plan(record_path, run) if record_path else None
@@ -185,6 +198,15 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
     """This process's share of a window's batches: (line number, text) pairs
     -> an output line for each line it decoded, None for the others."""
     first, texts = window[0][0], [text for _, text in window]
+    if score:
+      pairs = [text.split("\t", 1) for text in texts]
+      scores = translator.score([p[0] for p in pairs], [p[1] for p in pairs],
+                                alignment=alignment, share=share, **options)
+      for key in _COUNTS:
+        stats[key] += translator.last_stats.get(key, 0)
+      return [None if result is None else
+              format_scores(first + k, pair, result, output_format)
+              for k, (pair, result) in enumerate(zip(pairs, scores))]
     # Text output prints no scores: greedy search and sampling leave them out.
     results = translator.translate_hypotheses(texts, first_line=first, progress=progress,
                                               share=share, scores=output_format == "jsonl",
@@ -200,6 +222,12 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
   try:
     while True:
       raws, window, error = _read_window(lines, window_lines)
+      if score and (unpaired := next((k for k, text in enumerate(window) if "\t" not in text),
+                                     None)) is not None:
+        number = line_no + unpaired + 1  # (the lines before it are scored and written)
+        raws, window = raws[:unpaired], window[:unpaired]
+        error = NotAPair(f"{input_path or '<stdin>'}:{number}: line {number} has no tab: "
+                         "--score reads source<TAB>target lines")
       if window:
         formatted = multihost.split_across_processes(
             translate_share, list(enumerate(window, start=line_no)), what="lines")
