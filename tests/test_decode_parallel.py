@@ -103,6 +103,27 @@ def test_two_processes_on_localhost_write_what_one_process_writes(tmp_path):
   assert two.read_bytes() == one.read_bytes()
 
 
+@pytest.mark.slow  # (~12 s on 2 cores: `python -m pytest -m slow`)
+def test_two_processes_score_what_one_process_scores(tmp_path):
+  """decode.py --score over two processes on localhost: each scores every
+  other batch of a window, process 0 writes; the bytes of one process's run."""
+  pairs = demo_task.demo_splits(3, num_train=600, num_eval=1, num_test=1)["train"]
+  src = tmp_path / "pairs.tsv"
+  src.write_text("".join(f"{s}\t{t}\n" for s, t in pairs))
+  env = subprocess_env(tmp_path / "cache")
+  common = [sys.executable, "decode.py", f"--workdir={FIXTURE_WORKDIR}", f"--input={src}",
+            "--window_lines=250", "--quiet", "--score", "--alignment", "--output_format=jsonl"]
+  one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+  run_together([common + [f"--output={one}"]], env, timeout=300)
+  port = free_port()
+  run_together([common + [f"--output={two}", f"--coordinator_address=127.0.0.1:{port}",
+                          "--num_processes=2", f"--process_id={i}"] for i in range(2)],
+               env, timeout=300)
+  lines = two.read_text().splitlines()
+  assert len(lines) == 600 and json.loads(lines[599])["line"] == 600
+  assert two.read_bytes() == one.read_bytes()
+
+
 @pytest.fixture(scope="module")
 def fixture_translator():
   from transformer.decoding import loader

@@ -94,7 +94,7 @@ def test_a_hostile_marian_vocabulary_is_one_sentence(workdir, document):
   assert "not a valid " + ("Marian vocabulary" if document[0] == "{" else "SentencePiece") in message
 
 
-def test_logs_never_write_through_a_planted_link(workdir, tmp_path):
+def test_logs_never_write_through_a_planted_link(workdir, tmp_path, monkeypatch):
   """train.log and metrics.jsonl in a received workdir, made links to a file
   of this machine: neither is written through (the file is untouched)."""
   from transformer.runtime import run_log
@@ -105,9 +105,16 @@ def test_logs_never_write_through_a_planted_link(workdir, tmp_path):
     (workdir / name).symlink_to(victim)
   with run_log.run_log(str(workdir)) as path:
     assert path is None  # (the console only)
+  import tensorboardX
+  opened = []
+  real_writer = tensorboardX.SummaryWriter
+  monkeypatch.setattr(tensorboardX, "SummaryWriter",
+                      lambda *a, **k: opened.append(1) or real_writer(*a, **k))
   with pytest.raises(OSError):
     metrics.MetricsWriter(str(workdir))
   assert victim.read_text() == "untouched\n"
+  # (refused before any event writer opens: none is left for exit to close)
+  assert opened == []
 
 
 # ----------------------------------------------------------------------------

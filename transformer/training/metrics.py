@@ -44,11 +44,18 @@ class MetricsWriter:
     self._tb = None
     self._jsonl = None
     if enabled:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+      # metrics.jsonl first: a workdir that refuses it (a planted link, a
+      # read-only disk) leaves no event writer open, whose cleanup at exit
+      # cannot start its thread on Python 3.12 and prints a traceback.
       path = os.path.join(workdir, METRICS_FILE)
       self._jsonl = (text_io.open_for_append(path) if workdir_lib.is_local(path)
                      else _WrittenWhole(path))
+      from tensorboardX import SummaryWriter
+      try:
+        self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+      except BaseException:
+        self._jsonl.close()
+        raise
 
   def write(self, step: int, scalars: dict[str, float], prefix: str) -> None:
     if not self.enabled:
