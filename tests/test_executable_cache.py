@@ -79,6 +79,25 @@ def test_a_new_translator_loads_the_decoders_and_translates_the_same(cache_dir,
   assert sorted(cache_dir.iterdir()) == stored
 
 
+def test_a_new_translator_loads_the_scorers_and_scores_the_same(cache_dir, monkeypatch):
+  """`Translator.score`'s programs are kept as the decoders are: a second
+  Translator traces none of them."""
+  targets = ["eine rote Katze", "dreihundertzwei blaue Vögel und sieben grüne Frösche", "",
+             "eine Katze"]
+
+  def score():
+    translator = loader.load_translator(str(FIXTURE_WORKDIR))
+    scores = translator.score(SENTENCES, targets, batch_size=2, alignment=True)
+    return scores, translator.last_stats
+
+  first, stats = score()
+  assert stats["decoders_loaded"] == 0 and len(list(cache_dir.glob("*.bin"))) == 2
+  monkeypatch.setattr(decoders_lib.Decoders, "score_program",
+                      lambda self, alignment: pytest.fail("a scorer was traced"))
+  second, stats = score()
+  assert second == first and stats["decoders_loaded"] == 2
+
+
 def test_the_decoders_travel_with_the_workdir(cache_dir, tmp_path, monkeypatch):
   """A Translator loaded from a workdir also keeps its compiled decoders (and
   the parameter shapes and the logits kernel) in `<workdir>/compiled/`; a

@@ -2,7 +2,7 @@
 serve (on the devices, projections in their matmul dtype), one compiled program
 per `batch_plan.DecoderShape`, kept for call after call and on disk
 (`executable_cache.py`), the cross-attention function for plots and the
-teacher-forced scoring of given translations (`score_fn`).
+teacher-forced scoring of given translations (`score_program`, `scorer`).
 
 A decoder, for one batch of shape `shape`:
   (params, logits_kernel, inputs [batch, src_len], key_data, row_lines [batch],
@@ -66,7 +66,6 @@ class Decoders:
     self.executables: dict[DecoderShape, jax.stages.Compiled] = {}
     self.loaded = 0  # of them, how many `executable_cache` loaded (per call: the caller resets)
     self._cross_attention = None  # (`cross_attention_fn`)
-    self._score = {}  # (`score_fn`, by whether it returns the alignment)
     self._logits_kernel_fn = None  # (`_logits_kernel`)
 
   @functools.cached_property
@@ -256,15 +255,14 @@ class Decoders:
     computed."""
     return self.executables[shape](self.params, self.logits_kernel, *inputs)
 
-  def score_fn(self, alignment: bool = False):
-    """Jitted teacher forcing, one forward pass per batch (as training's loss):
-    (params, inputs [rows, src], decoder_inputs [rows, tgt], targets [rows, tgt])
-    -> log p of each target token given the source and the tokens before it
-    [rows, tgt] float32; with `alignment`, also the source position each target
-    token attends to most [rows, tgt] int32 (the last decoder layer's
-    encoder-decoder attention, averaged over its heads)."""
-    if alignment in self._score:
-      return self._score[alignment]
+  def score_program(self, alignment: bool = False):
+    """Teacher forcing, one forward pass per batch (as training's loss), a new
+    jitted function at each call (`executable_cache.load_or_compile` wants
+    one per compile): (params, inputs [rows, src], decoder_inputs [rows, tgt],
+    targets [rows, tgt]) -> log p of each target token given the source and
+    the tokens before it [rows, tgt] float32; with `alignment`, also the source
+    position each target token attends to most [rows, tgt] int32 (the last
+    decoder layer's encoder-decoder attention, averaged over its heads)."""
     cfg, model = self.config, self.model
 
     def run(params, inputs, decoder_inputs, targets):
@@ -289,10 +287,19 @@ class Decoders:
       return token_log_probs, jnp.argmax(weights.mean(axis=1), axis=-1).astype(jnp.int32)
 
     replicated = NamedSharding(self.mesh, P())
-    self._score[alignment] = jax.jit(
-        run, in_shardings=(self.param_shardings, replicated, replicated, replicated),
-        out_shardings=replicated)
-    return self._score[alignment]
+    return jax.jit(run, in_shardings=(self.param_shardings, replicated, replicated, replicated),
+                   out_shardings=replicated)
+
+  def scorer(self, alignment: bool, args: tuple):
+    """The compiled `score_program` for arguments like `args` (params, inputs,
+    decoder_inputs, targets): compiled once per shape, or loaded, compiled by
+    an earlier process (`executable_cache`, as the decoders). Returns
+    (compiled, whether it was loaded)."""
+    parts = {"of": "score", "model": self.config.to_dict(), "alignment": alignment,
+             "arguments": executable_cache.describe(args)}
+    return executable_cache.load_or_compile(
+        parts, lambda: self.score_program(alignment).lower(*args).compile(),
+        what="compiled scorer", model_dir=self.model_dir)
 
   def cross_attention_fn(self):
     """Jitted (params, inputs [1, src], decoder_inputs [1, tgt]) -> the

@@ -62,6 +62,7 @@ def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None
   if method == "scored":  # (Translator.score: given targets, no search)
     line = (f"scored {stats['sentences']} pairs, {stats['generated_tokens']} target tokens "
             f"in {stats['seconds']:.1f} s (compiling {stats['compile_seconds']:.1f} s; "
+            f"{f'{loaded} compiled scorers loaded; ' if loaded else ''}"
             f"{stats['tokens_per_second']:.1f} tokens/s scoring), "
             f"{f'{weights_dtype} weights, ' if weights_dtype else ''}{checkpoint}")
     return line + (f", on {stats['devices']} devices" if stats.get("devices", 1) > 1 else "")

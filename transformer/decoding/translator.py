@@ -375,9 +375,8 @@ class Translator:
       wanted.append(ids + [cfg.eos_id])
     order = sorted(range(len(sources)), key=lambda i: (len(wanted[i]), len(encoded[i])))
     batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
-    fn = self.decoders.score_fn(alignment)
     results: list[Score | None] = [None] * len(sources)
-    compile_seconds = [0.0]
+    compile_seconds, loaded = [0.0], [0]
 
     def score_batch(members: list[int]) -> None:
       # Rows: the batch size, or the next power of two for a last, smaller
@@ -395,13 +394,15 @@ class Translator:
         decoder_inputs[row, :len(wanted[i])] = [cfg.bos_id] + wanted[i][:-1]
         targets_[row, :len(wanted[i])] = wanted[i]
       shape = (alignment, rows, src_len, tgt_len)
+      args = (self.params, inputs, decoder_inputs, targets_)
       with self._scorers_lock:  # (each shape compiled once, whichever lane needs it first)
         if shape not in self._scorers:
           began = time.perf_counter()
-          self._scorers[shape] = fn.lower(self.params, inputs, decoder_inputs, targets_).compile()
+          self._scorers[shape], was_loaded = self.decoders.scorer(alignment, args)
+          loaded[0] += was_loaded
           compile_seconds[0] += time.perf_counter() - began
         compiled = self._scorers[shape]
-      out = compiled(self.params, inputs, decoder_inputs, targets_)
+      out = compiled(*args)
       token_log_probs, where = out if alignment else (out, None)
       token_log_probs = np.asarray(token_log_probs, np.float64)
       where = None if where is None else np.asarray(where)
@@ -425,7 +426,7 @@ class Translator:
     self.last_stats = {"sentences": len(sources), "decoded": scored, "truncated": truncated,
                        "generated_tokens": tokens, "seconds": seconds,
                        "compile_seconds": compile_seconds, "host_seconds": 0.0,
-                       "decoders_loaded": 0, "searched_again": 0,
+                       "decoders_loaded": loaded[0], "searched_again": 0,
                        "devices": self.decoders.devices,
                        "tokens_per_second": tokens / max(seconds - compile_seconds, 1e-9)}
     return results
