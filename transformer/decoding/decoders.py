@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -66,6 +67,8 @@ class Decoders:
     self.executables: dict[DecoderShape, jax.stages.Compiled] = {}
     self.loaded = 0  # of them, how many `executable_cache` loaded (per call: the caller resets)
     self._cross_attention = None  # (`cross_attention_fn`)
+    self._scorers: dict[tuple, jax.stages.Compiled] = {}  # (`scorer`, by shape)
+    self._scorers_lock = threading.Lock()
     self._logits_kernel_fn = None  # (`_logits_kernel`)
 
   @functools.cached_property
@@ -292,14 +295,20 @@ class Decoders:
 
   def scorer(self, alignment: bool, args: tuple):
     """The compiled `score_program` for arguments like `args` (params, inputs,
-    decoder_inputs, targets): compiled once per shape, or loaded, compiled by
-    an earlier process (`executable_cache`, as the decoders). Returns
-    (compiled, whether it was loaded)."""
-    parts = {"of": "score", "model": self.config.to_dict(), "alignment": alignment,
-             "arguments": executable_cache.describe(args)}
-    return executable_cache.load_or_compile(
-        parts, lambda: self.score_program(alignment).lower(*args).compile(),
-        what="compiled scorer", model_dir=self.model_dir)
+    decoder_inputs, targets), kept for call after call: (compiled, None) when
+    kept from an earlier call, else (compiled, whether it was loaded, compiled
+    by an earlier process: `executable_cache`, as the decoders). One scorer
+    per shape is made at a time, whichever lane asks first."""
+    shape = (alignment, *(np.shape(a) for a in args[1:]))
+    with self._scorers_lock:
+      if shape in self._scorers:
+        return self._scorers[shape], None
+      parts = {"of": "score", "model": self.config.to_dict(), "alignment": alignment,
+               "arguments": executable_cache.describe(args)}
+      self._scorers[shape], loaded = executable_cache.load_or_compile(
+          parts, lambda: self.score_program(alignment).lower(*args).compile(),
+          what="compiled scorer", model_dir=self.model_dir)
+      return self._scorers[shape], loaded
 
   def cross_attention_fn(self):
     """Jitted (params, inputs [1, src], decoder_inputs [1, tgt]) -> the

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from transformer.decoding.translator import Hypothesis, Score
+from transformer.decoding.scoring import Score
+from transformer.decoding.translator import Hypothesis
 
 
 def format_lines(first_line: int, sources: Sequence[str], results: Sequence[list[Hypothesis]],

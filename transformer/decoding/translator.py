@@ -29,9 +29,7 @@ output lines and stderr).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import threading
 import time
 from typing import NamedTuple, Sequence
 
@@ -41,7 +39,7 @@ import tqdm
 from jax.sharding import Mesh
 
 from transformer.data.tokenizer import Tokenizer
-from transformer.decoding import batch_plan, batching, executable_cache, runner
+from transformer.decoding import batch_plan, batching, executable_cache, runner, scoring
 from transformer.decoding import search as decoding
 from transformer.decoding.decoders import Decoders
 from transformer.decoding.options import PAPER_LENGTH_PENALTY, check_options
@@ -55,9 +53,6 @@ logger = logging.getLogger(__name__)
 # The CPU flags (Linux's names) of instructions that multiply bfloat16 (x86's
 # AVX512-BF16 and AMX, Arm's BF16): without one, bfloat16 weights likely gain nothing.
 BFLOAT16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
-# `score` pads a batch's sources and targets to a multiple of this many tokens:
-# a shape per 8 lengths (few to compile), at most 7 padding tokens a row.
-SCORE_LENGTH_STEP = 8
 
 
 class Hypothesis(NamedTuple):
@@ -68,17 +63,6 @@ class Hypothesis(NamedTuple):
   score: float
   log_prob: float
   length: int
-
-
-class Score(NamedTuple):
-  """A given translation's log-probability under the model (`Translator.score`):
-  `log_prob` the sum over its tokens and the EOS, `tokens` how many those are,
-  `token_log_probs` each one's; `alignment` (when asked for) the source token
-  each attends to most, an index into the source's pieces (its EOS included)."""
-  log_prob: float
-  tokens: int
-  token_log_probs: list[float]
-  alignment: list[int] | None = None
 
 
 class Translator:
@@ -143,8 +127,6 @@ class Translator:
     self.length_penalty = (workdir.decoding if workdir else {}).get("length_penalty",
                                                                    PAPER_LENGTH_PENALTY)
     self.last_stats: dict[str, float] = {}
-    self._scorers: dict[tuple, jax.stages.Compiled] = {}  # (`score`'s, by shape)
-    self._scorers_lock = threading.Lock()
     self.set_params(params)
 
   def set_params(self, params) -> None:
@@ -345,91 +327,11 @@ class Translator:
             "tokens_per_second": totals.generated / max(seconds - totals.compile_seconds, 1e-9)}
 
   def score(self, sources: Sequence[str], targets: Sequence[str], *, alignment: bool = False,
-            batch_size: int = 32, share: tuple[int, int] = (0, 1),
-            **ignored) -> list[Score | None]:
-    """log p(target | source) of each given pair (forced decoding: one forward
-    pass per batch with the target as the decoder's input, no search), as a
-    `Score`; with `alignment`, each target token's most attended source token.
-
-    Sources are truncated as `translate` truncates them; a target longer than
-    the model's max_len is scored on its first max_len - 1 pieces and the EOS
-    (both counted in `last_stats["truncated"]`). A blank target scores the EOS
-    alone. Pairs are sorted by length and cut into batches of `batch_size`,
-    each padded to bucket lengths (few shapes to compile); `share` (index,
-    count): score only batches index, index + count, ... (None for the others:
-    several processes, as in `translate_hypotheses`). Options of translation
-    (`ignored`: method, beam_size, ...) change nothing here.
-    """
-    if len(sources) != len(targets):
-      raise ValueError(f"score: {len(sources)} sources but {len(targets)} targets")
-    if batch_size < 1:
-      raise OptionError("batch_size", batch_size, "must be >= 1")
-    cfg, start = self.config, time.perf_counter()
-    encoded, truncated = self._encode(sources)
-    encoded = [ids or [cfg.eos_id] for ids in encoded]  # (a blank source: its EOS alone)
-    wanted = []
-    for text in targets:
-      ids = self.tokenizer.encode_target(text) if text.strip() else []
-      if len(ids) + 1 > cfg.max_len:
-        ids, truncated = ids[:cfg.max_len - 1], truncated + 1
-      wanted.append(ids + [cfg.eos_id])
-    order = sorted(range(len(sources)), key=lambda i: (len(wanted[i]), len(encoded[i])))
-    batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
-    results: list[Score | None] = [None] * len(sources)
-    compile_seconds, loaded = [0.0], [0]
-
-    def score_batch(members: list[int]) -> None:
-      # Rows: the batch size, or the next power of two for a last, smaller
-      # batch; lengths: the longest member's, to a multiple of SCORE_LENGTH_STEP.
-      rows = batch_size if len(members) == batch_size else 1 << (len(members) - 1).bit_length()
-      src_len = min(batching.round_up(max(len(encoded[i]) for i in members), SCORE_LENGTH_STEP),
-                    cfg.max_len)
-      tgt_len = min(batching.round_up(max(len(wanted[i]) for i in members), SCORE_LENGTH_STEP),
-                    cfg.max_len)
-      inputs = np.full((rows, src_len), cfg.pad_id, np.int32)
-      decoder_inputs = np.full((rows, tgt_len), cfg.pad_id, np.int32)
-      targets_ = np.full((rows, tgt_len), cfg.pad_id, np.int32)
-      for row, i in enumerate(members):
-        inputs[row, :len(encoded[i])] = encoded[i]
-        decoder_inputs[row, :len(wanted[i])] = [cfg.bos_id] + wanted[i][:-1]
-        targets_[row, :len(wanted[i])] = wanted[i]
-      shape = (alignment, rows, src_len, tgt_len)
-      args = (self.params, inputs, decoder_inputs, targets_)
-      with self._scorers_lock:  # (each shape compiled once, whichever lane needs it first)
-        if shape not in self._scorers:
-          began = time.perf_counter()
-          self._scorers[shape], was_loaded = self.decoders.scorer(alignment, args)
-          loaded[0] += was_loaded
-          compile_seconds[0] += time.perf_counter() - began
-        compiled = self._scorers[shape]
-      out = compiled(*args)
-      token_log_probs, where = out if alignment else (out, None)
-      token_log_probs = np.asarray(token_log_probs, np.float64)
-      where = None if where is None else np.asarray(where)
-      for row, i in enumerate(members):
-        n = len(wanted[i])
-        results[i] = Score(float(token_log_probs[row, :n].sum()), n,
-                           token_log_probs[row, :n].tolist(),
-                           None if where is None else where[row, :n].tolist())
-
-    # Batches side by side, one lane per core on a CPU (as translation's
-    # lanes): one batch's small matrix products do not fill the cores.
-    mine = batches[share[0]::share[1]]
-    lanes = min(self.default_concurrent_batches(), len(mine)) or 1
-    with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
-      for done in pool.map(score_batch, mine):
-        pass
-    scored = sum(len(members) for members in mine)
-    tokens = sum(len(wanted[i]) for members in mine for i in members)
-    compile_seconds = compile_seconds[0]
-    seconds = time.perf_counter() - start
-    self.last_stats = {"sentences": len(sources), "decoded": scored, "truncated": truncated,
-                       "generated_tokens": tokens, "seconds": seconds,
-                       "compile_seconds": compile_seconds, "host_seconds": 0.0,
-                       "decoders_loaded": loaded[0], "searched_again": 0,
-                       "devices": self.decoders.devices,
-                       "tokens_per_second": tokens / max(seconds - compile_seconds, 1e-9)}
-    return results
+            batch_size: int = 32, share: tuple[int, int] = (0, 1), **ignored):
+    """log p(target | source) of each given pair, a `scoring.Score` each (None
+    for pairs of other shares): `scoring.score_pairs`, which says how."""
+    return scoring.score_pairs(self, sources, targets, alignment=alignment,
+                               batch_size=batch_size, share=share)
 
   def cross_attention(self, source: str, target: str | None = None):
     """Encoder-decoder attention weights of one sentence pair.
