@@ -6,10 +6,9 @@
     python decode.py --workdir=runs/demo --input=in.txt --plot_attention=plots/
 
 One line in, one line out: N input lines give exactly N output lines, in input
-order (the last line counts even without a final newline); an empty (or
-blank) line gives an empty line. With --n_best > 1 the hypotheses of one input
-share its output line, tab-separated, best first; --output_format=jsonl gives
-one JSON object per line with every hypothesis' score, log-probability and length.
+order; an empty (or blank) line gives an empty line. With --n_best > 1 the
+hypotheses of one input share its output line, tab-separated, best first;
+--output_format=jsonl gives a JSON object per line (scores and lengths too).
 
 Files of any size: the input is read --window_lines at a time, and each
 window's translations are appended as soon as they are done. Beside an
@@ -18,12 +17,9 @@ the same command continues there (and refuses, naming it, another model,
 option or input); the finished file is the one an uninterrupted run writes.
 Several processes (hosts) split each window (--num_processes, ... as train.py).
 
-The workdir is what train.py wrote; by default its averaged checkpoint is
-used if there is one, else the latest. It is data (docs/security.md).
-
---plot_attention=DIR writes DIR/<line number>.png for every non-empty input
-line (numbered from 1): its translation's encoder-decoder attention, a
-heat-map panel per decoder layer, heads averaged (transformer/plotting/attention.py).
+The workdir is what train.py wrote (--checkpoint says which parameters); it
+is data (docs/security.md). --score scores given source<TAB>target lines
+instead of translating (docs/decoding.md, "Scoring given translations").
 
 Progress and a one-line summary (sentences, generated tokens, seconds and how
 many of them compiling, tokens/s of the decoding itself, truncated over-long
@@ -142,11 +138,10 @@ _PLOT_ATTENTION = flags.DEFINE_string(
     "plot_attention", None, "Directory: write <DIR>/<line number>.png for each non-empty "
     "input line, the encoder-decoder attention of its translation as heat maps, one "
     "panel per decoder layer (heads averaged), source pieces on x, target pieces on y.")
-_SCORE = flags.DEFINE_bool(
-    "score", False, "Score instead of translate: each input line is source<TAB>target, each "
-    "output line the target's log-probability (sum, token count, per-token values).")
-_ALIGNMENT = flags.DEFINE_bool(
-    "alignment", False, "With --score: also each target token's most attended source token.")
+_SCORE = flags.DEFINE_bool("score", False, "Score instead of translate: each input line is "
+                           "source<TAB>target, each output line the target's log-probability.")
+_ALIGNMENT = flags.DEFINE_bool("alignment", False, "With --score: also each target token's "
+                               "most attended source token.")
 _QUIET = flags.DEFINE_bool("quiet", False, "No progress bar and no summary line "
                            "(warnings and errors are still printed).")
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -154,10 +149,9 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "(default: $TRANSFORMER_COMPILATION_CACHE or ~/.cache/transformer/jax): a second "
     "decode of the same workdir compiles (almost) nothing.")
 _CPU_DEVICES = flags.DEFINE_integer(
-    "cpu_devices", 0, "On a CPU: split it into this many JAX devices, one per core "
-    "(each batch is sharded over them, so small steps run side by side instead "
-    "of each being split across cores): faster for small models with beam "
-    "search, slower for large memory-bound ones. 0: JAX's default (one device).")
+    "cpu_devices", 0, "On a CPU: split it into this many JAX devices, one per core, each "
+    "batch sharded over them: faster for small models with beam search, slower for large "
+    "memory-bound ones. 0: JAX's default (one device).")
 
 
 def translate_options() -> dict:
@@ -185,8 +179,7 @@ def request() -> command.Request:
 
 
 # Objects `main_then_exit` lets the process end with instead of freeing them:
-# the Translator, whose compiled decoders took 0.1 s to free when `main`
-# returned (of a 3.6 s decode.py of 1,000 lines at batch 128, 2-core CPU).
+# the Translator, whose compiled decoders took 0.1 s to free when `main` returned.
 _KEPT_UNTIL_EXIT: list = []
 
 

@@ -320,7 +320,7 @@ def main(argv=None) -> int:
   lines, _ = read_input(Path(args.input), args.lines)
   batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
   translator = loader.load_translator(args.workdir)
-  encoded, _ = translator._encode(lines)
+  encoded, _ = translator.encode(lines)
   greedy = translator.translate_hypotheses(lines, method="greedy")
   generated = [h[0].length for h in greedy]
 

@@ -467,7 +467,7 @@ def test_batching_benchmark_counts_the_steps_decoders_run_as_its_arithmetic_does
            "twelve new houses"] * 3
   lengths = [h[0].length for h in translator.translate_hypotheses(lines, method="greedy",
                                                                    batch_size=8)]
-  encoded, _ = translator._encode(lines)
+  encoded, _ = translator.encode(lines)
   sizes = bench_batching.shrink_sizes(translator, 16, 2)
   assert sizes == [16, 8]
   batches = bench_batching.make_batches("consecutive", encoded, translator.config.max_len, 16,

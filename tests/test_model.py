@@ -658,7 +658,7 @@ def test_a_shrinking_decoding_batch_translates_as_the_whole_batch(scan_layers, m
   # and a finished one filling the 4th row, not a prefix of the batch.
   short, long = sentences[:5], sentences[-3:]
   sentences = [short[0], long[0], short[1], long[1], short[2], long[2], *short[3:]]
-  encoded, _ = translator._encode(sentences)
+  encoded, _ = translator.encode(sentences)
   src_len = batching.bucket_length(max(map(len, encoded)), cfg.max_len)
   inputs = batching.pack_batch(encoded, 8, src_len, copies=1)
   rows = np.arange(8, dtype=np.int32)

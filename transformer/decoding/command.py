@@ -210,10 +210,13 @@ def decode(request: Request, keep: list | None = None) -> dict:
   except text_io.TextFileError as e:
     raise WorkdirError(f"--output={e.path}: {e.problem}") from None
   if not request.quiet and jax.process_index() == 0:
-    method = "scored" if request.score else request.options.get("method", "beam")
-    line = output.summary_line(stats, method=method,
-                               checkpoint=described, plots=plots,
-                               weights_dtype=request.weights_dtype)
+    if request.score:
+      line = output.score_summary_line(stats, checkpoint=described,
+                                       weights_dtype=request.weights_dtype)
+    else:
+      line = output.summary_line(stats, method=request.options.get("method", "beam"),
+                                 checkpoint=described, plots=plots,
+                                 weights_dtype=request.weights_dtype)
     if stats["resumed_at"]:
       line += f"; resumed after line {stats['resumed_at']}"
     print(line, file=sys.stderr)

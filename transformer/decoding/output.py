@@ -60,13 +60,6 @@ def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None
   description), the devices if several, and how many attention `plots` were
   written (None: none asked for)."""
   loaded, again = stats.get("decoders_loaded", 0), stats.get("searched_again", 0)
-  if method == "scored":  # (Translator.score: given targets, no search)
-    line = (f"scored {stats['sentences']} pairs, {stats['generated_tokens']} target tokens "
-            f"in {stats['seconds']:.1f} s (compiling {stats['compile_seconds']:.1f} s; "
-            f"{f'{loaded} compiled scorers loaded; ' if loaded else ''}"
-            f"{stats['tokens_per_second']:.1f} tokens/s scoring), "
-            f"{f'{weights_dtype} weights, ' if weights_dtype else ''}{checkpoint}")
-    return line + (f", on {stats['devices']} devices" if stats.get("devices", 1) > 1 else "")
   line = (f"decoded {stats['sentences']} sentences ({stats['decoded']} non-empty), "
           f"{stats['generated_tokens']} tokens generated in {stats['seconds']:.1f} s "
           f"(compiling {stats['compile_seconds']:.1f} s; "
@@ -79,6 +72,18 @@ def summary_line(stats: dict, *, method: str, checkpoint: str, plots: int | None
   if plots is not None:
     line += f", {plots} attention plots"
   return line
+
+
+def score_summary_line(stats: dict, *, checkpoint: str,
+                       weights_dtype: str | None = None) -> str:
+  """`summary_line` for `Translator.score`'s `last_stats` (decode.py --score)."""
+  loaded = stats.get("decoders_loaded", 0)
+  line = (f"scored {stats['sentences']} pairs, {stats['generated_tokens']} target tokens "
+          f"in {stats['seconds']:.1f} s (compiling {stats['compile_seconds']:.1f} s; "
+          f"{f'{loaded} compiled scorers loaded; ' if loaded else ''}"
+          f"{stats['tokens_per_second']:.1f} tokens/s scoring), "
+          f"{f'{weights_dtype} weights, ' if weights_dtype else ''}{checkpoint}")
+  return line + (f", on {stats['devices']} devices" if stats.get("devices", 1) > 1 else "")
 
 
 def truncation_warning(stats: dict, max_len: int) -> str | None:

@@ -63,14 +63,10 @@ def score_pairs(translator, sources: Sequence[str], targets: Sequence[str], *,
   if batch_size < 1:
     raise OptionError("batch_size", batch_size, "must be >= 1")
   cfg, start = translator.config, time.perf_counter()
-  encoded, truncated = translator._encode(sources)
-  encoded = [ids or [cfg.eos_id] for ids in encoded]
-  wanted = []
-  for text in targets:
-    ids = translator.tokenizer.encode_target(text) if text.strip() else []
-    if len(ids) + 1 > cfg.max_len:
-      ids, truncated = ids[:cfg.max_len - 1], truncated + 1
-    wanted.append(ids + [cfg.eos_id])
+  encoded, long_sources = translator.encode(sources)
+  wanted, long_targets = translator.encode(targets, target=True)
+  truncated = long_sources + long_targets
+  encoded, wanted = ([ids or [cfg.eos_id] for ids in side] for side in (encoded, wanted))
   order = sorted(range(len(sources)), key=lambda i: (len(wanted[i]), len(encoded[i])))
   batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
   mine = batches[share[0]::share[1]]

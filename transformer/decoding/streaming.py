@@ -201,7 +201,8 @@ def decode_file(translator: Translator, input_path: str | None, output_path: str
     if score:
       pairs = [text.split("\t", 1) for text in texts]
       scores = translator.score([p[0] for p in pairs], [p[1] for p in pairs],
-                                alignment=alignment, share=share, **options)
+                                alignment=alignment, share=share,
+                                batch_size=options.get("batch_size", 32))
       for key in _COUNTS:
         stats[key] += translator.last_stats.get(key, 0)
       return [None if result is None else

@@ -6,7 +6,7 @@ It is what `decode.py`, the training loop's BLEU evaluation and the notebook API
 use (`loader.py` loads one from a trained workdir).
 
 `translate_hypotheses` reads top to bottom:
-  1. Tokenize (`_encode`): append EOS; inputs longer than the model's
+  1. Tokenize (`encode`): append EOS; inputs longer than the model's
      `max_len` are truncated (counted in `last_stats["truncated"]`). Empty
      lines are not decoded: they translate to "".
   2. Plan (`batch_plan.py`, pure Python): sort by length and cut into batches
@@ -230,7 +230,7 @@ class Translator:
     start = time.perf_counter()
     self.decoders.loaded = 0
     # 1. Tokenize.
-    encoded, truncated = self._encode(sentences)
+    encoded, truncated = self.encode(sentences)
     # 2. Plan.
     request = batch_plan.Request(
         method=method, beam_size=beam_size, beam_stop=beam_stop, n_best=n_best, top_k=top_k,
@@ -273,12 +273,15 @@ class Translator:
 
   # -- the steps of `translate_hypotheses` -----------------------------------
 
-  def _encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
+  def encode(self, sentences: Sequence[str], *,
+             target: bool = False) -> tuple[list[list[int]], int]:
     """(token ids + EOS per sentence, [] for a blank one; how many were
-    truncated to the model's max_len)."""
+    truncated to the model's max_len). `target`: with the target side's
+    vocabulary (an imported Marian model has one per side)."""
     cfg, encoded, truncated = self.config, [], 0
+    encode = self.tokenizer.encode_target if target else self.tokenizer.encode
     for text in sentences:
-      ids = self.tokenizer.encode(text) if text.strip() else []
+      ids = encode(text) if text.strip() else []
       if len(ids) + 1 > cfg.max_len:
         ids, truncated = ids[:cfg.max_len - 1], truncated + 1
       encoded.append(ids + [cfg.eos_id] if ids else [])
@@ -327,7 +330,7 @@ class Translator:
             "tokens_per_second": totals.generated / max(seconds - totals.compile_seconds, 1e-9)}
 
   def score(self, sources: Sequence[str], targets: Sequence[str], *, alignment: bool = False,
-            batch_size: int = 32, share: tuple[int, int] = (0, 1), **ignored):
+            batch_size: int = 32, share: tuple[int, int] = (0, 1)):
     """log p(target | source) of each given pair, a `scoring.Score` each (None
     for pairs of other shares): `scoring.score_pairs`, which says how."""
     return scoring.score_pairs(self, sources, targets, alignment=alignment,
