@@ -19,6 +19,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from hf_reference import hf_greedy as _np_greedy
+from hf_reference import hf_log_probs as _np_marian_log_probs
 from scoring import teacher_forced_log_probs
 import sentencepiece as spm
 
@@ -503,90 +505,6 @@ def test_a_model_transformers_trained_translates_as_transformers_does(copy, tmp_
   ended = [(h.log_prob, e["log_prob"]) for h, e in zip(ours, expected) if e["ended"]]
   assert len(ended) >= 20
   np.testing.assert_allclose(*zip(*ended), rtol=0, atol=1e-3)
-
-
-def _np_layer_norm(x, t, name):
-  """torch's LayerNorm (eps 1e-5) of `x` `[length, d]` with tensors `name`.*."""
-  centered = x - x.mean(-1, keepdims=True)
-  return (centered / np.sqrt((centered ** 2).mean(-1, keepdims=True) + 1e-5)
-          * t[f"{name}.weight"] + t[f"{name}.bias"])
-
-
-def _np_linear(x, t, name):
-  return x @ t[f"{name}.weight"].T + t[f"{name}.bias"]  # torch's [out, in]
-
-
-def _np_attention(x, memory, t, name, heads, causal):
-  """transformers' MarianAttention, one sentence: queries from `x` `[q, d]`,
-  keys and values from `memory` `[k, d]` -> `[q, d]`."""
-  length, d = x.shape
-  head_dim = d // heads
-
-  def split(h):  # [n, d] -> [heads, n, head_dim]
-    return h.reshape(len(h), heads, head_dim).transpose(1, 0, 2)
-
-  q = split(_np_linear(x, t, f"{name}.q_proj") * head_dim ** -0.5)
-  k, v = split(_np_linear(memory, t, f"{name}.k_proj")), split(_np_linear(memory, t,
-                                                                          f"{name}.v_proj"))
-  scores = q @ k.transpose(0, 2, 1)
-  if causal:
-    scores = np.where(np.tril(np.ones((length, len(memory)), bool)), scores, -np.inf)
-  weights = np.exp(scores - scores.max(-1, keepdims=True))
-  weights /= weights.sum(-1, keepdims=True)
-  return _np_linear((weights @ v).transpose(1, 0, 2).reshape(length, d), t,
-                    f"{name}.out_proj")
-
-
-def _np_marian_log_probs(t, hf_config, source, decoder_inputs):
-  """transformers' MarianMTModel in float64 numpy, from its own tensors `t`
-  and config.json, for one sentence of Marian's ids: `source` (with </s>),
-  `decoder_inputs` (decoder_start_token_id first) -> log-softmax `[len(
-  decoder_inputs), vocab]`, <pad> banned (-inf) as generate's bad_words_ids
-  ban it. Post-LN, swish, one embedding (x sqrt(d_model)) for both sides and
-  the output, Marian's positions (sines, then cosines) from 0."""
-  table = t["model.shared.weight"]
-  d, heads = table.shape[1], hf_config["encoder_attention_heads"]
-
-  def embed(ids):
-    angles = np.arange(len(ids))[:, None] / 10000.0 ** (2 * np.arange(d // 2) / d)
-    return table[ids] * np.sqrt(d) + np.concatenate([np.sin(angles), np.cos(angles)], 1)
-
-  def feed_forward(x, layer):
-    inner = _np_linear(x, t, f"{layer}.fc1")
-    swish = inner * 0.5 * (1 + np.tanh(inner / 2))  # x sigmoid(x), without overflow
-    return _np_layer_norm(x + _np_linear(swish, t, f"{layer}.fc2"), t,
-                          f"{layer}.final_layer_norm")
-
-  def sublayer(x, memory, layer, attention, causal):
-    return _np_layer_norm(x + _np_attention(x, memory, t, f"{layer}.{attention}", heads,
-                                            causal), t, f"{layer}.{attention}_layer_norm")
-
-  x = embed(source)
-  for i in range(hf_config["encoder_layers"]):
-    layer = f"model.encoder.layers.{i}"
-    x = feed_forward(sublayer(x, x, layer, "self_attn", False), layer)
-  y = embed(decoder_inputs)
-  for i in range(hf_config["decoder_layers"]):
-    layer = f"model.decoder.layers.{i}"
-    y = sublayer(y, y, layer, "self_attn", True)
-    y = feed_forward(sublayer(y, x, layer, "encoder_attn", False), layer)
-  logits = y @ table.T + t["final_logits_bias"][0]
-  logits[:, hf_config["pad_token_id"]] = -np.inf
-  top = logits.max(-1, keepdims=True)
-  return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-
-
-def _np_greedy(t, hf_config, source, max_len):
-  """Greedy search with `_np_marian_log_probs` from decoder_start_token_id, as
-  transformers' generate(num_beams=1): -> (Marian ids, </s> included if
-  reached within `max_len`; their log-prob)."""
-  out, log_prob = [], 0.0
-  while len(out) < max_len and (not out or out[-1] != hf_config["eos_token_id"]):
-    step = _np_marian_log_probs(t, hf_config, source,
-                                [hf_config["decoder_start_token_id"]] + out)[-1]
-    out.append(int(np.argmax(step)))
-    log_prob += step[out[-1]]
-  return out, log_prob
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,9 @@ onto this project's parameters and writes the workdir.
 
   * a Hugging Face Marian model (`config.json`, `model.safetensors` read with
     `safetensors.numpy`, `source.spm`, `target.spm`, `vocab.json`): a local
-    directory, or a hub id downloaded with `huggingface_hub`;
+    directory, or a hub id downloaded with `huggingface_hub`; also a pre-LN
+    model in Pegasus' classes with Marian's vocabulary, as `hf_export.py`
+    writes one;
   * an OPUS-MT release of Marian-NMT (`decoder.yml` naming the model `.npz`,
     its options in `special:model.yml`, and its vocabulary `.yml`):
     `marian_release.py`.
@@ -82,8 +84,10 @@ def _activation(name: str, where: str) -> str:
     return "swish"
   if name == "relu":
     return "relu"
+  if name in ("gelu_pytorch_tanh", "gelu_new"):  # (flax's nn.gelu: the tanh approximation)
+    return "gelu"
   raise MarianImportError(f"{where}: the FFN activation {name!r} is not one this model computes "
-                     "exactly (swish, relu)")
+                     "exactly (swish, relu, gelu_pytorch_tanh)")
 
 
 # ----------------------------------------------------------------------------
@@ -128,8 +132,11 @@ def read_hf_directory(path: str) -> MarianModel:
 def _hf_config(path: str, hf: dict, where: str):
   """(config, pieces without <pad>, share, tied, pad id) of a Hugging Face
   Marian directory's config.json (`hf`) and vocab.json."""
-  if hf.get("model_type") != "marian":
-    raise MarianImportError(f"{where}: model_type {hf.get('model_type')!r}, not 'marian'")
+  # "pegasus": Marian's code with pre-LN, as interop/hf_export.py writes pre-LN models
+  # (Marian's ids and tokenizer; a Pegasus model of Google's has other ids: refused below).
+  if hf.get("model_type") not in ("marian", "pegasus"):
+    raise MarianImportError(f"{where}: model_type {hf.get('model_type')!r}, not 'marian' (or "
+                            "'pegasus' with Marian's vocabulary)")
   vocab = _json_object(os.path.join(path, "vocab.json"), path, "vocabulary")
   if not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
     raise MarianImportError(f"{os.path.join(path, 'vocab.json')}: expected piece: id pairs, "
@@ -161,14 +168,16 @@ def _hf_config(path: str, hf: dict, where: str):
     if hf[enc] != hf[dec]:
       raise MarianImportError(f"{where}: {enc}={hf[enc]} but {dec}={hf[dec]}; this model has "
                          "one value for both")
-  share = bool(hf.get("share_encoder_decoder_embeddings", True))
+  pre_norm = hf["model_type"] == "pegasus"  # (Pegasus always shares one embedding)
+  share = pre_norm or bool(hf.get("share_encoder_decoder_embeddings", True))
   tied = bool(hf.get("tie_word_embeddings", True))
   config = marian_config(
       vocab_size=len(pieces), d_model=hf["d_model"], num_heads=hf["encoder_attention_heads"],
       d_ff=hf["encoder_ffn_dim"], num_encoder_layers=hf["encoder_layers"],
       num_decoder_layers=hf["decoder_layers"],
       activation=_activation(hf.get("activation_function", "swish"), where),
-      normalization="post", share_embeddings=share, logits_via_embedding=tied,
+      normalization="pre" if pre_norm else "post", share_embeddings=share,
+      logits_via_embedding=tied,
       dropout_rate=float(hf.get("dropout", 0.1)),
       attention_dropout_rate=float(hf.get("attention_dropout", 0.0)))
   return config, pieces, share, tied, pad
@@ -205,9 +214,11 @@ def _marian_names(tensors: dict, config: TransformerConfig, share: bool, tied: b
     out[f"{marian}_W{suffix}"] = get(f"{hf}.weight").T  # torch [out, in] -> [in, out]
     out[f"{marian}_b{suffix}"] = get(f"{hf}.bias")[None]
 
+  suffix = "_pre" if config.normalization == "pre" else ""  # (Marian-NMT's pre-LN names)
+
   def norm(hf, marian):
-    out[f"{marian}_ln_scale"] = get(f"{hf}.weight")[None]
-    out[f"{marian}_ln_bias"] = get(f"{hf}.bias")[None]
+    out[f"{marian}_ln_scale{suffix}"] = get(f"{hf}.weight")[None]
+    out[f"{marian}_ln_bias{suffix}"] = get(f"{hf}.bias")[None]
 
   for side, count in (("encoder", config.num_encoder_layers),
                       ("decoder", config.num_decoder_layers)):
@@ -224,6 +235,9 @@ def _marian_names(tensors: dict, config: TransformerConfig, share: bool, tied: b
       linear(f"{hf}.fc1", f"{marian}_ffn", "1")
       linear(f"{hf}.fc2", f"{marian}_ffn", "2")
       norm(f"{hf}.final_layer_norm", f"{marian}_ffn_ffn")
+    if config.normalization == "pre":  # (Pegasus: a LayerNorm after each stack)
+      out[f"{side}_top_ln_scale"] = get(f"model.{side}.layer_norm.weight")[None]
+      out[f"{side}_top_ln_bias"] = get(f"model.{side}.layer_norm.bias")[None]
   if share:
     out["Wemb"] = get("model.shared.weight")[:-1]
   else:
