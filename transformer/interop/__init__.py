@@ -1,5 +1,9 @@
 """Interoperability: export to serving engines (CTranslate2, `ctranslate2_export.py`)
-and import of Marian / OPUS-MT models (`marian.py`)."""
+and to Hugging Face transformers (`hf_export.py`), and import of Marian /
+OPUS-MT models (`marian.py`)."""
+
+import sys
+from collections.abc import Callable
 
 # What the `interop` extra installs (pyproject.toml), by import name.
 EXTRA_MODULES = ("ctranslate2", "safetensors", "huggingface_hub", "yaml")
@@ -13,3 +17,18 @@ def missing_extra(error: ModuleNotFoundError) -> str | None:
     return None
   return (f"{name} is not installed; the interop extra installs it: "
           f"pip install -e \".[interop]\" (or pip install \"{name if name != 'yaml' else 'pyyaml'}\")")
+
+
+def run_command(work: Callable[[], int], exit_code: int) -> int:
+  """A command's `work()` (its exit status), with what a user can act on (a
+  bad file or option, a missing extra) one line on stderr and `exit_code`,
+  not a traceback."""
+  try:
+    return work()
+  except (OSError, ValueError, RuntimeError) as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+  except ModuleNotFoundError as e:
+    if (message := missing_extra(e)) is None:
+      raise
+    print(f"error: {message}", file=sys.stderr)
+  return exit_code

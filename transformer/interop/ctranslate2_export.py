@@ -48,7 +48,7 @@ import numpy as np
 
 from transformer.data.marian_tokenizer import MarianTokenizer
 from transformer.data.tokenizer import UNK_ID, Tokenizer
-from transformer.interop import missing_extra
+from transformer.interop import run_command
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import sinusoidal_positional_encoding
 
@@ -219,20 +219,14 @@ def main(argv=None) -> int:
   parser.add_argument("--quantization", default="float32", choices=QUANTIZATIONS)
   parser.add_argument("--force", action="store_true", help="replace an existing output_dir")
   args = parser.parse_args(argv)
-  try:
+
+  def work() -> int:
     out = export_workdir(args.workdir, args.output_dir, checkpoint=args.checkpoint,
                          quantization=args.quantization, force=args.force)
-  except (OSError, ValueError, RuntimeError) as e:
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 1
-  except ModuleNotFoundError as e:  # (the interop extra not installed: one line, not a traceback)
-    if (message := missing_extra(e)) is None:
-      raise
-    print(f"error: {message}", file=sys.stderr)
-    return 1
-  print(f"wrote {out} ({args.quantization}) with its SentencePiece model(s): "
-        f"{', '.join(sorted(n for n in os.listdir(out) if n.endswith(('.model', '.spm'))))}")
-  return 0
+    print(f"wrote {out} ({args.quantization}) with its SentencePiece model(s): "
+          f"{', '.join(sorted(n for n in os.listdir(out) if n.endswith(('.model', '.spm'))))}")
+    return 0
+  return run_command(work, exit_code=1)
 
 
 if __name__ == "__main__":

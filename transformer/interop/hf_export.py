@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -61,7 +62,7 @@ import jax
 import numpy as np
 
 from transformer.data import marian_tokenizer, received
-from transformer.interop import missing_extra
+from transformer.interop import run_command
 from transformer.interop.marian import residual_permutation
 from transformer.interop.marian_formats import marian_position_table
 from transformer.model.config import TransformerConfig
@@ -243,27 +244,30 @@ def model_card(config: TransformerConfig, *, name: str, training: dict | None,
   """README.md: what the model is, how it was trained, how to use it."""
   model_type, architecture = HOSTS[config.normalization]
   data = (training or {}).get("data", {})
-  languages = [x for x in (data.get("source_lang"), data.get("target_lang")) if x]
+  languages = [x for x in (data.get("source_lang"), data.get("target_lang"))
+               if isinstance(x, str) and re.fullmatch(r"[A-Za-z_-]{2,16}", x)]  # (codes only)
   front = ["---", "library_name: transformers", "pipeline_tag: translation",
            f"tags: [translation, {model_type}, jax, flax]"]
   if languages:
     front.append(f"language: [{', '.join(languages)}]")
-  lines = front + ["---", "", f"# {name}", "",
-                   f"A Transformer encoder-decoder for translation"
-                   f"{' (' + ' to '.join(languages) + ')' if len(languages) == 2 else ''}, "
-                   "trained with the JAX/Flax `transformer` project and exported with "
-                   "`python -m transformer.interop.hf_export`.", "",
-                   "## The model", "",
-                   f"- {architecture} (`{model_type}`): "
-                   f"{'pre-LN (LayerNorm before each sub-layer)' if model_type == 'pegasus' else 'post-LN, as in the paper'}, "
-                   f"{config.num_encoder_layers} + {config.num_decoder_layers} layers, "
-                   f"d_model {config.d_model}, {config.num_heads} heads, FFN {config.d_ff} "
-                   f"({config.activation}), {parameters:,} parameters;",
-                   f"- one SentencePiece vocabulary of {config.vocab_size - 2} pieces "
-                   f"(`source.spm`, `target.spm`, `vocab.json`), sinusoidal positions up to "
-                   f"{config.max_len} tokens, "
-                   f"{'one embedding for source, target and output' if config.share_embeddings and config.logits_via_embedding else 'embeddings as trained (see config.json)'}.",
-                   "", "## Training", ""]
+  pair = f" ({' to '.join(languages)})" if len(languages) == 2 else ""
+  norm = ("pre-LN (LayerNorm before each sub-layer)" if config.normalization == "pre"
+          else "post-LN, as in the paper")
+  embeddings = ("one embedding for source, target and output"
+                if config.share_embeddings and config.logits_via_embedding
+                else "embeddings as trained (config.json)")
+  lines = front + [
+      "---", "", f"# {name}", "",
+      f"A Transformer encoder-decoder for translation{pair}, trained with the JAX/Flax "
+      "`transformer` project and exported with `python -m transformer.interop.hf_export`.",
+      "", "## The model", "",
+      f"- {architecture} (`{model_type}`): {norm}, {config.num_encoder_layers} + "
+      f"{config.num_decoder_layers} layers, d_model {config.d_model}, {config.num_heads} "
+      f"heads, FFN {config.d_ff} ({config.activation}), {parameters:,} parameters;",
+      f"- one SentencePiece vocabulary of {config.vocab_size - 2} pieces (`source.spm`, "
+      f"`target.spm`, `vocab.json`), sinusoidal positions up to {config.max_len} tokens, "
+      f"{embeddings}.",
+      "", "## Training", ""]
   if imported:
     lines.append(f"- imported from `{imported.get('imported_from')}` (a Marian / OPUS-MT "
                  "model), then exported again.")
@@ -395,20 +399,14 @@ def main(argv=None) -> int:
                            "with transformers' 1e-5 (not exact; the model card says so)")
   parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
   args = parser.parse_args(argv)
-  try:
+
+  def work() -> int:
     out = export_workdir(args.workdir, args.out, checkpoint=args.checkpoint,
                          approximate_epsilon=args.approximate_epsilon, force=args.force)
-  except (OSError, ValueError, RuntimeError) as e:
-    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-    return 2
-  except ModuleNotFoundError as e:  # (the interop extra not installed: one line, not a traceback)
-    if (message := missing_extra(e)) is None:
-      raise
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-  print(f"wrote {out}: load it with transformers' AutoModelForSeq2SeqLM.from_pretrained("
-        f"{out!r}) and AutoTokenizer.from_pretrained({out!r})")
-  return 0
+    print(f"wrote {out}: load it with transformers' AutoModelForSeq2SeqLM.from_pretrained("
+          f"{out!r}) and AutoTokenizer.from_pretrained({out!r})")
+    return 0
+  return run_command(work, exit_code=2)
 
 
 if __name__ == "__main__":

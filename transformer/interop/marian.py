@@ -72,7 +72,7 @@ import jax
 import numpy as np
 
 from transformer.data import marian_tokenizer
-from transformer.interop import missing_extra
+from transformer.interop import run_command
 from transformer.interop.marian_formats import (HF_FILES, MarianImportError, MarianModel,
                                                 read_hf_directory)
 from transformer.interop.marian_release import read_marian_release
@@ -317,19 +317,13 @@ def main(argv=None) -> int:
                       help="replace a model imported into --workdir before")
   args = parser.parse_args(argv)
   logging.basicConfig(level=logging.INFO, format="%(message)s")
-  try:
+
+  def work() -> int:
     workdir = import_model(args.model, args.workdir, revision=args.revision, force=args.force)
-  except (ValueError, OSError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except ModuleNotFoundError as e:  # (the interop extra not installed: one line, not a traceback)
-    if (message := missing_extra(e)) is None:
-      raise
-    print(f"error: {message}", file=sys.stderr)
-    return 2
-  print(f"Imported {args.model} into {workdir}. Translate: python decode.py "
-        f"--workdir={workdir} --input=<file>")
-  return 0
+    print(f"Imported {args.model} into {workdir}. Translate: python decode.py "
+          f"--workdir={workdir} --input=<file>")
+    return 0
+  return run_command(work, exit_code=2)
 
 
 if __name__ == "__main__":
