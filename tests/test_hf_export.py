@@ -118,13 +118,21 @@ def test_the_exported_files_compute_the_model(models, name):
   tokenizer = load_tokenizer(str(workdir / "vocab.model"))
   order = list(marian_tokenizer.marian_to_ours(np.arange(config.vocab_size - 2))) + [
       config.bos_id]
-  pairs = list(zip(SENTENCES[:4], [e for e in EXPECTED["greedy"] if e][:4]))
-  for source, target in pairs:
-    src, tgt = tokenizer.encode(source) + [1], tokenizer.encode(target)
-    with jax.default_matmul_precision("highest"):
-      logits = Transformer(config).apply({"params": params}, np.asarray([src]),
-                                         np.asarray([[config.bos_id] + tgt]))[0]
-    ours = np.asarray(jax.nn.log_softmax(np.asarray(logits, np.float64)[:, order], axis=-1))
+  pairs = [(tokenizer.encode(source) + [1], tokenizer.encode(target)) for source, target in
+           zip(SENTENCES[:4], [e for e in EXPECTED["greedy"] if e][:4])]
+  # One batch (one program): sources padded with PAD, whose keys are masked;
+  # decoder inputs padded after the sentence, which the causal mask hides.
+  inputs = np.zeros((len(pairs), max(len(s) for s, _ in pairs)), np.int32)
+  decoder_inputs = np.zeros((len(pairs), 1 + max(len(t) for _, t in pairs)), np.int32)
+  for row, (src, tgt) in enumerate(pairs):
+    inputs[row, :len(src)], decoder_inputs[row, :len(tgt) + 1] = src, [config.bos_id] + tgt
+  with jax.default_matmul_precision("highest"):
+    logits = np.asarray(jax.jit(Transformer(config).apply)({"params": params}, inputs,
+                                                           decoder_inputs), np.float64)
+  for row, (src, tgt) in enumerate(pairs):
+    ours = logits[row, :len(tgt) + 1][:, order]  # (PAD's column left out, float64)
+    ours = ours - ours.max(-1, keepdims=True)
+    ours -= np.log(np.exp(ours).sum(-1, keepdims=True))
     theirs = hf_log_probs(tensors, hf_config, _to_marian(src),
                           [hf_config["decoder_start_token_id"]] + _to_marian(tgt),
                           ban_pad=False)
