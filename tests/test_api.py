@@ -223,10 +223,10 @@ def with_option(shape: batch_plan.DecoderShape, name: str, value) -> batch_plan.
   return shape._replace(**{name: value})
 
 
-def shrink_sizes(translator, batch: int, **fields) -> list[int]:
-  """The batch sizes a decoder of `batch` rows and these `DecoderShape`
-  fields shrinks through (`Decoders.shrink`)."""
-  shape = batch_plan.DecoderShape("greedy", batch, 8, 24, 1, 0, **fields)
+def shrink_sizes(translator, batch: int, method="greedy", beam_size=1, **fields) -> list[int]:
+  """The batch sizes (inputs) a decoder of `batch` inputs and these
+  `DecoderShape` fields shrinks through (`Decoders.shrink`)."""
+  shape = batch_plan.DecoderShape(method, batch, 8, 24, beam_size, 0, **fields)
   return translator.decoders.shrink(shape).sizes(batch)
 
 
@@ -238,6 +238,10 @@ def test_batches_shrink_on_cpu_only_and_translate_the_same_whole(run_example):
   translator = run_example(API_EXAMPLE)[0]["translator"]
   sentences = ["forty-two red apples", "one small cat", "seven new cars and one cat"] * 4
   assert translator.policy.shrink_batches and shrink_sizes(translator, 32) == [32, 8]
+  # Beam search's floor is in rows too: 8 rows are 2 inputs of 4 beams, 4 of 2.
+  assert shrink_sizes(translator, 32, "beam", 4) == [32, 8, 2]
+  assert shrink_sizes(translator, 32, "beam", 2) == [32, 8]
+  assert shrink_sizes(translator, 32, "beam", 4, shrink_factor=2) == [32, 16, 8, 4, 2]
   shrunk = translator.translate(sentences, method="greedy", batch_size=32)
   compiled = set(translator.decoders.executables)
   translator.policy.shrink_batches = False
