@@ -65,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
       share_embeddings=True, logits_via_embedding=True, normalization="post",
       activation="relu", positional="sinusoidal", dtype="float32",
       param_dtype="float32", scan_layers=False, remat=False,
-      layer_norm_epsilon=1e-6,  # 1e-5 (torch's) for a model exported to transformers exactly
+      layer_norm_epsilon=1e-5,  # torch's, which transformers' models fix (interop/hf_export.py)
   ))
 
   # Optimisation (the paper's Adam and schedule; scale 1 = the paper's rate).

@@ -34,7 +34,7 @@ class TransformerConfig:
                                    # "swish" (OPUS-MT / Marian models)
   logits_bias: bool = False        # a learned bias on the output logits (Marian's)
   positional: str = "sinusoidal"   # "sinusoidal" (paper) or "learned"
-  layer_norm_epsilon: float = 1e-6
+  layer_norm_epsilon: float = 1e-5  # torch's: exported to transformers exactly
   dtype: str = "float32"           # compute dtype ("bfloat16" on accelerators)
   param_dtype: str = "float32"     # storage dtype of the parameters
   matmul_dtype: str | None = None  # the projections' weights and inputs ("bfloat16":
