@@ -4,8 +4,7 @@
 
 The folder is what transformers' Auto classes load by themselves
 (`AutoModelForSeq2SeqLM.from_pretrained`, `AutoTokenizer.from_pretrained`,
-`pipeline("translation", model=...)`) and what `huggingface-cli upload`
-pushes to the hub: config.json, generation_config.json, model.safetensors
+then `generate`) and what huggingface_hub's `hf upload` pushes to the hub: config.json, generation_config.json, model.safetensors
 (float32), the tokenizer's source.spm, target.spm, vocab.json and
 tokenizer_config.json, and README.md, a model card saying what the model is
 and how it was trained. No torch is needed to write it (safetensors.numpy).
