@@ -17,6 +17,7 @@ Checked against computations nobody here wrote for this model:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -248,6 +249,29 @@ def test_what_transformers_cannot_hold_is_refused_in_one_sentence(tmp_path, caps
   assert hf_export.main([f"--workdir={FIXTURE}", f"--out={out}", "--approximate_epsilon",
                          "--force"]) == 0
   assert not (out / "mine.txt").exists() and (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("plant", ["link_out", "too_large", "fifo"])
+def test_a_received_workdirs_training_config_is_read_as_data(tmp_path, capsys, plant):
+  """The model card reads the workdir's config.json, which may come from
+  anyone: a link out of the workdir, a file past its size limit or a FIFO is
+  one sentence naming it; nothing outside is read or changed, nothing is
+  written to --out."""
+  workdir = _copy_fixture(tmp_path / "received", layer_norm_epsilon=1e-5)
+  outside = tmp_path / "outside.json"
+  outside.write_text(json.dumps({"data": {"source": "demo"}}))
+  (workdir / "config.json").unlink()
+  if plant == "link_out":
+    (workdir / "config.json").symlink_to(outside)
+  elif plant == "too_large":
+    (workdir / "config.json").write_text(" " * (2 << 20) + "{}")
+  else:
+    os.mkfifo(workdir / "config.json")  # (a read would wait forever)
+  out = tmp_path / "out"
+  assert hf_export.main([f"--workdir={workdir}", f"--out={out}"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and "config.json" in err, err
+  assert not out.exists() and outside.read_text() == json.dumps({"data": {"source": "demo"}})
 
 
 def test_a_config_that_transformers_cannot_hold_names_its_option():
