@@ -32,11 +32,11 @@ through vocab.json). The mapping is the inverse of the import
 
 Refused, in one sentence naming the option (`NotExportable`), where no
 transformers class computes the model exactly: a LayerNorm epsilon other
-than 1e-5 (transformers' Marian and Pegasus use torch's default; train with
-`--config.model.layer_norm_epsilon=1e-5`, as configs/small_corpus.py does,
-or export anyway with `--approximate_epsilon`, which the model card then
-states); learned positions; pre-LN with separate source and target
-embeddings (Pegasus has one); a vocabulary of another size than the model's.
+than 1e-5 (transformers' Marian and Pegasus fix torch's 1e-5, which is also
+this project's default; older workdirs have 1e-6: `--approximate_epsilon`
+exports one anyway, and the model card says so); learned positions; pre-LN
+with separate source and target embeddings (Pegasus has one); a vocabulary
+of another size than the model's.
 
 Two differences remain by construction, both documented in the model card:
 PAD's output logit is not in transformers' softmax (a trained model gives PAD
@@ -272,12 +272,12 @@ def model_card(config: TransformerConfig, *, name: str, training: dict | None,
                  "model), then exported again.")
   if training:
     lines.append(f"- data: {_corpus(data)}")
-    budget = training.get("train_minutes") or 0
-    length = (f"{format(budget, 'g')} minutes (a time budget)" if budget
-              else f"{training.get('num_train_steps')} steps")
-    lines.append(f"- trained for {length}, batches of {training.get('batch_size')} rows of "
-                 f"{training.get('max_length')} tokens" +
-                 (f", {training['lr_schedule']} learning-rate schedule"
+    budget = _number(training.get("train_minutes")) or 0
+    length = (f"{budget:g} minutes (a time budget)" if budget
+              else f"{_number(training.get('num_train_steps'))} steps")
+    lines.append(f"- trained for {length}, batches of {_number(training.get('batch_size'))} "
+                 f"rows of {_number(training.get('max_length'))} tokens" +
+                 (f", {_plain(training['lr_schedule'])} learning-rate schedule"
                   if training.get("lr_schedule") else ""))
   if checkpoint.get("kind") == "averaged":
     lines.append(f"- the weights: the average of the checkpoints of steps "
@@ -306,6 +306,17 @@ def model_card(config: TransformerConfig, *, name: str, training: dict | None,
   return "\n".join(lines) + "\n"
 
 
+def _number(value) -> int | float | None:
+  """A number of the (received) config.json, or None: nothing else reaches the card."""
+  return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _plain(value, limit: int = 60) -> str:
+  """A string of the (received) config.json as plain words on one line:
+  letters, digits and ._-/ only, at most `limit` of them."""
+  return re.sub(r"[^\w./-]", "", str(value))[:limit] or "?"
+
+
 def _corpus(data: dict) -> str:
   """The training data in a few words, from config.json's `data`."""
   source = data.get("source")
@@ -313,7 +324,8 @@ def _corpus(data: dict) -> str:
     return "the project's embedded demo task (English number phrases to German)"
   named = {"tsv": data.get("train_path"), "files": data.get("train_src"),
            "tfds": data.get("tfds_name")}.get(source)
-  return f"{source} `{os.path.basename(str(named))}`" if named else str(source)
+  return (f"{_plain(source)} `{_plain(os.path.basename(str(named)))}`" if named
+          else _plain(source))
 
 
 def _read_training_config(path: str) -> dict | None:
