@@ -72,9 +72,16 @@ COMPARABLE_ADAM_EPS = 1e-4
 # The reference run that the resume, SIGKILL, NaN and 8-device tests compare
 # with: dropout on, gradient accumulation, periodic checkpoints, averaging.
 REF_STEPS = 24
+# Its LayerNorm epsilon is the one the cross-layout comparisons were written
+# with (1e-6; the configs' default is now 1e-5): there the 8-device run and its
+# 2-device resume agree with the 1-device run to ~2e-7 on jax 0.10 and 0.12.
+# With 1e-5, jax 0.12's rounding in the 2-device resume puts the two runs 1.3e-4
+# apart in the feed-forward inner kernels alone (deterministic; 1e-7 on jax
+# 0.10): one ReLU unit near its kink taking the other side, which no tolerance
+# meant for rounding should absorb.
 REF = {"num_train_steps": REF_STEPS, "grad_accum_steps": 2, "checkpoint_every": 8,
        "keep_checkpoints": 3, "average_last": 2, "keep_average": "always", "log_every": 5,
-       "adam_eps": COMPARABLE_ADAM_EPS}
+       "adam_eps": COMPARABLE_ADAM_EPS, "model.layer_norm_epsilon": 1e-6}
 
 
 # ----------------------------------------------------------------------------
