@@ -33,11 +33,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
+from benchmarks import common
 from transformer.decoding import loader
 from transformer.interop import hf_export
-
-DEFAULT_PAIRS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                             "..", "shared", "corpora", "gettext-en-fr", "test.tsv")
 
 
 def _batches(items, size):
@@ -47,7 +45,7 @@ def _batches(items, size):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workdir", required=True)
-  parser.add_argument("--pairs", default=DEFAULT_PAIRS)
+  parser.add_argument("--pairs", default=common.GETTEXT_TEST)
   parser.add_argument("--lines", type=int, default=1000)
   parser.add_argument("--batch_size", type=int, default=32)
   args = parser.parse_args()

@@ -32,6 +32,11 @@ from transformer.training.flops import (forward_flops, matmul_rate, matmul_weigh
                                training_flops_per_step)
 from transformer.model.transformer import TransformerConfig
 
+# The real parallel corpus beside the checkout (../shared), and its 1,000 test pairs.
+GETTEXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..",
+                       "shared", "corpora", "gettext-en-fr")
+GETTEXT_TEST = os.path.join(GETTEXT, "test.tsv")
+
 
 # ----------------------------------------------------------------------------
 # Shapes

@@ -5,6 +5,9 @@ OPUS-MT models (`marian.py`)."""
 import sys
 from collections.abc import Callable
 
+import jax
+import numpy as np
+
 # What the `interop` extra installs (pyproject.toml), by import name.
 EXTRA_MODULES = ("ctranslate2", "safetensors", "huggingface_hub", "yaml")
 
@@ -32,3 +35,11 @@ def run_command(work: Callable[[], int], exit_code: int) -> int:
       raise
     print(f"error: {message}", file=sys.stderr)
   return exit_code
+
+
+def layer_params(stack: dict, count: int, scanned: bool) -> list[dict]:
+  """The parameters of each of the `count` layers of an encoder or decoder
+  `stack` (its params subtree), `scan_layers`' leading layer axis unstacked."""
+  if not scanned:
+    return [stack[f"layers_{i}"] for i in range(count)]
+  return [jax.tree.map(lambda x, i=i: np.asarray(x)[i], stack["layers"]) for i in range(count)]

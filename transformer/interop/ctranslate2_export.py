@@ -48,7 +48,7 @@ import numpy as np
 
 from transformer.data.marian_tokenizer import MarianTokenizer
 from transformer.data.tokenizer import UNK_ID, Tokenizer
-from transformer.interop import run_command
+from transformer.interop import layer_params, run_command
 from transformer.model.config import TransformerConfig
 from transformer.model.transformer import sinusoidal_positional_encoding
 
@@ -97,13 +97,6 @@ def _feed_forward(spec, ffn: dict, norm: dict) -> None:
   _norm(spec.layer_norm, norm["norm"])
 
 
-def _layers(params: dict, count: int, scanned: bool) -> list[dict]:
-  """Each layer's parameters, unstacking `scan_layers`' leading layer axis."""
-  if not scanned:
-    return [params[f"layers_{i}"] for i in range(count)]
-  return [jax.tree.map(lambda x, i=i: np.asarray(x)[i], params["layers"]) for i in range(count)]
-
-
 def _positions(config: TransformerConfig, params: dict, side: str) -> np.ndarray:
   if config.positional == "learned":
     return np.asarray(params[side]["input_embedding"]["learned_positions"]["embedding"],
@@ -130,12 +123,12 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
   spec.encoder.scale_embeddings = spec.decoder.scale_embeddings = True
   spec.encoder.position_encodings.encodings = _positions(config, params, "encoder")
   spec.decoder.position_encodings.encodings = _positions(config, params, "decoder")
-  for layer_spec, layer in zip(spec.encoder.layer, _layers(
+  for layer_spec, layer in zip(spec.encoder.layer, layer_params(
       params["encoder"], config.num_encoder_layers, config.scan_layers)):
     _self_attention(layer_spec.self_attention, layer["self_attention"],
                     layer["self_attention_norm"])
     _feed_forward(layer_spec.ffn, layer["feed_forward"], layer["feed_forward_norm"])
-  for layer_spec, layer in zip(spec.decoder.layer, _layers(
+  for layer_spec, layer in zip(spec.decoder.layer, layer_params(
       params["decoder"], config.num_decoder_layers, config.scan_layers)):
     _self_attention(layer_spec.self_attention, layer["self_attention"],
                     layer["self_attention_norm"])

@@ -55,13 +55,12 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 
 import jax
 import numpy as np
 
 from transformer.data import marian_tokenizer, received
-from transformer.interop import run_command
+from transformer.interop import layer_params, run_command
 from transformer.interop.marian import residual_permutation
 from transformer.interop.marian_formats import marian_position_table
 from transformer.model.config import TransformerConfig
@@ -99,13 +98,6 @@ def check_exportable(config: TransformerConfig, *, approximate_epsilon: bool = F
                         "position table of transformers needs an even width")
 
 
-def _layers(tree: dict, count: int, scanned: bool) -> list[dict]:
-  """Each layer's parameters, unstacking `scan_layers`' leading layer axis."""
-  if not scanned:
-    return [tree[f"layers_{i}"] for i in range(count)]
-  return [jax.tree.map(lambda x, i=i: np.asarray(x)[i], tree["layers"]) for i in range(count)]
-
-
 def hf_tensors(config: TransformerConfig, params) -> dict[str, np.ndarray]:
   """{transformers tensor name: float32 array} of this model, in Marian's ids."""
   params = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
@@ -135,7 +127,7 @@ def hf_tensors(config: TransformerConfig, params) -> dict[str, np.ndarray]:
 
   for side, count in (("encoder", config.num_encoder_layers),
                       ("decoder", config.num_decoder_layers)):
-    for i, layer in enumerate(_layers(params[side], count, config.scan_layers)):
+    for i, layer in enumerate(layer_params(params[side], count, config.scan_layers)):
       prefix = f"model.{side}.layers.{i}"
       attention(f"{prefix}.self_attn", layer["self_attention"])
       norm(f"{prefix}.self_attn_layer_norm", layer["self_attention_norm"]["norm"])
@@ -239,7 +231,7 @@ def tokenizer_files(tokenizer, vocab_size: int, max_len: int) -> dict[str, bytes
 
 def model_card(config: TransformerConfig, *, name: str, training: dict | None,
                imported: dict | None, checkpoint: dict, length_penalty: float,
-               approximate_epsilon: bool, parameters: int) -> str:
+               parameters: int) -> str:
   """README.md: what the model is, how it was trained, how to use it."""
   model_type, architecture = HOSTS[config.normalization]
   data = (training or {}).get("data", {})
@@ -298,7 +290,7 @@ def model_card(config: TransformerConfig, *, name: str, training: dict | None,
             "length_penalty=0 both run the same search.",
             "- The original model also scores a padding id, which has no id here: its "
             "probability, near zero in a trained model, is left out of the softmax."]
-  if approximate_epsilon:
+  if config.layer_norm_epsilon != TRANSFORMERS_EPSILON:  # (--approximate_epsilon)
     lines.append(f"- **Approximate:** trained with LayerNorm epsilon "
                  f"{config.layer_norm_epsilon:g}; transformers computes with "
                  f"{TRANSFORMERS_EPSILON:g}, so its outputs differ slightly from the "
@@ -367,22 +359,18 @@ def export_workdir(workdir: str, out: str, *, checkpoint: str | int = "auto",
   files["README.md"] = model_card(
       config, name=os.path.basename(os.path.normpath(out)),
       training=_read_training_config(str(read.path)), imported=read.imported,
-      checkpoint=info, length_penalty=length_penalty,
-      approximate_epsilon=config.layer_norm_epsilon != TRANSFORMERS_EPSILON,
-      parameters=sum(int(np.size(x)) for x in jax.tree.leaves(translator.params))).encode()
+      checkpoint=info, length_penalty=length_penalty, parameters=sum(int(np.size(x)) for x in jax.tree.leaves(translator.params))).encode()
   _write_folder(out, files)
   return out
 
 
 def _write_folder(out: str, files: dict[str, bytes]) -> None:
   """Writes `files` into a new folder beside `out`, then puts it in place."""
-  parent = os.path.dirname(os.path.abspath(out))
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=".hf_export-", dir=parent)
-  umask = os.umask(0)
-  os.umask(umask)
+  staging = os.path.join(os.path.dirname(os.path.abspath(out)),
+                         f".{os.path.basename(os.path.abspath(out))}.{os.getpid()}.partial")
+  shutil.rmtree(staging, ignore_errors=True)  # (a killed run's)
+  os.makedirs(staging)  # (the umask's permissions, as any folder the user makes)
   try:
-    os.chmod(staging, 0o777 & ~umask)  # (mkdtemp's folder is the owner's alone)
     for name, data in files.items():
       with open(os.path.join(staging, name), "wb") as f:
         f.write(data)
