@@ -31,19 +31,22 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 # What each kind of command imports before its first line runs.
 TRAINING = ("absl.app", "ml_collections.config_flags", "transformer.training.loop")
-DECODING = ("absl.app", "jax")
+DECODING = ("absl.app", "jax", "orbax.checkpoint")
 
-_MAX_SERVERS = 3  # (one per environment: each holds its imports, ~0.3 GB)
-_servers: dict[tuple, "_Server"] = {}
+_MAX_IDLE = 3  # servers kept waiting (each holds its imports, ~0.3 GB)
+_idle: list[tuple[tuple, "_Server"]] = []  # (key, server), the most recently used last
+_idle_lock = threading.Lock()
 
 
 @atexit.register
 def _close_all() -> None:
-  while _servers:
-    _servers.popitem()[1].close()
+  with _idle_lock:
+    while _idle:
+      _idle.pop()[1].close()
 
 
 class _Server:
@@ -116,13 +119,21 @@ def run(argv: list[str], env: dict[str, str], *, cwd, preload: tuple[str, ...],
   # (pytest names the running test in the environment: not a reason for a server)
   key = (tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")),
          tuple(preload))
-  server = _servers.pop(key, None) or _Server(env, tuple(preload))
-  _servers[key] = server  # (the most recently used last)
-  while len(_servers) > _MAX_SERVERS:
-    _servers.pop(next(iter(_servers))).close()
+  with _idle_lock:  # (an idle server of this key, or a new one: one child per server)
+    server = next((s for k, s in reversed(_idle) if k == key), None)
+    if server is not None:
+      _idle.remove((key, server))
+  server = server or _Server(env, tuple(preload))
   if isinstance(stdin, str):
     stdin = stdin.encode()
-  result = server.run(argv, env, cwd, stdin, timeout)
+  try:
+    result = server.run(argv, env, cwd, stdin, timeout)
+  finally:
+    with _idle_lock:
+      if server.process.poll() is None:  # (a server that ended is not used again)
+        _idle.append((key, server))
+      while len(_idle) > _MAX_IDLE:
+        _idle.pop(0)[1].close()
   if text:
     result.stdout, result.stderr = result.stdout.decode(), result.stderr.decode()
   return result
@@ -135,7 +146,6 @@ def _child(request: dict, responses: int) -> None:
   """In the forked child: the request's streams, directory and argv, then
   the script as `python` runs it; never returns."""
   import runpy
-  import threading
   import traceback
   os.close(responses)
   written = os.O_WRONLY | os.O_CREAT | os.O_TRUNC

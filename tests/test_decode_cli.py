@@ -22,6 +22,8 @@ import sys
 import matplotlib.image
 import pytest
 
+import fork_server
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = os.path.join(ROOT, "decode.py")
 TRAINED_WORKDIR = os.path.join(ROOT, "tests", "fixtures", "workdir_decode_cli")
@@ -85,10 +87,10 @@ def env(tmp_path_factory):
 
 def run_decode(env, *flags, stdin: bytes | str = b"",
                timeout: float = 600) -> subprocess.CompletedProcess:
-  if isinstance(stdin, str):
-    stdin = stdin.encode()
-  result = subprocess.run([sys.executable, DECODE, *flags], input=stdin, cwd=ROOT,
-                          env=env, capture_output=True, timeout=timeout)
+  """`python decode.py *flags`, a process of its own forked from one that
+  imported decode.py's libraries (`fork_server`: 2 s of imports each)."""
+  result = fork_server.run([DECODE, *flags], env, cwd=ROOT, preload=fork_server.DECODING,
+                           stdin=stdin, timeout=timeout)
   result.stdout_text = result.stdout.decode()
   result.stderr_text = result.stderr.decode()
   return result
