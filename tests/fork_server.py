@@ -114,7 +114,7 @@ def run(argv: list[str], env: dict[str, str], *, cwd, preload: tuple[str, ...],
   """`subprocess.run([sys.executable, *argv], env=env, cwd=cwd, input=stdin,
   capture_output=True, timeout=timeout, text=text)`, the process forked from a
   server of `env` that imported `preload`. argv[0]: a script's path, or "-c"
-  and the code. Raises subprocess.TimeoutExpired (the child killed) as
+  and the code, or "-m" and a module. Raises subprocess.TimeoutExpired (the child killed) as
   `subprocess.run` does."""
   # (pytest names the running test in the environment: not a reason for a server)
   key = (tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST")),
@@ -163,6 +163,9 @@ def _child(request: dict, responses: int) -> None:
     if argv[0] == "-c":
       sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
       exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+    elif argv[0] == "-m":  # (sys.argv[0] becomes the module's file, as `python -m` makes it)
+      sys.argv, sys.path[0] = ["-m", *argv[2:]], os.getcwd()
+      runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
       sys.argv, sys.path[0] = list(argv), os.path.dirname(os.path.abspath(argv[0]))
       runpy.run_path(argv[0], run_name="__main__")

@@ -17,6 +17,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -115,12 +116,21 @@ def subprocess_env(cache_dir=None, *, fast_compile: bool = True, **extra: str) -
   return env
 
 
-def run_checked(cmd, env, timeout: float) -> subprocess.CompletedProcess:
+def run_checked(cmd, env, timeout: float,
+                preload: tuple[str, ...] | None = None) -> subprocess.CompletedProcess:
   """Runs `cmd` in the repository; fails the test on a timeout or a non-zero
-  exit, showing the output."""
+  exit, showing the output. With `preload` (and `cmd` a `sys.executable`
+  command), the process is forked from a server that imported those modules
+  (`fork_server`)."""
   try:
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    if preload is not None:
+      import fork_server
+      assert cmd[0] == sys.executable, cmd
+      proc = fork_server.run(list(map(str, cmd[1:])), env, cwd=REPO, preload=preload,
+                             text=True, timeout=timeout)
+    else:
+      proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=timeout)
   except subprocess.TimeoutExpired as e:
     pytest.fail(f"timed out after {timeout}s: {cmd}\n{e.stdout}\n{e.stderr}")
   assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr[-5000:]}"

@@ -269,14 +269,17 @@ def test_host_memory_does_not_grow_with_the_corpus(tok, tmp_path):
 
 
 def test_the_prepare_command_makes_the_vocabulary_then_the_shards(pairs, tsv, tmp_path):
-  import subprocess
-  import sys
-  from helpers import subprocess_env
+  import fork_server
+  from helpers import REPO, subprocess_env
+
+  def run(cmd):  # (`python -m ...`, forked from a process that imported its libraries)
+    return fork_server.run(cmd, subprocess_env(), cwd=REPO, preload=fork_server.TRAINING,
+                           text=True, timeout=120)
   workdir = tmp_path / "run"
-  cmd = [sys.executable, "-m", "transformer.training.prepare", f"--workdir={workdir}",
+  cmd = ["-m", "transformer.training.prepare", f"--workdir={workdir}",
          "--config.data.source=tsv", f"--config.data.train_path={tsv}",
          "--config.vocab_size=300"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+  proc = run(cmd)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert f"{workdir}/prepared: {len(pairs)} pairs" in proc.stdout
   tok = tokenizer_lib.load_tokenizer(str(workdir / "vocab.model"))
@@ -284,7 +287,6 @@ def test_the_prepare_command_makes_the_vocabulary_then_the_shards(pairs, tsv, tm
   np.testing.assert_array_equal(corpus[42]["targets"], tok.encode(pairs[42][1]) + [EOS_ID])
   other = tmp_path / "other.tsv"
   other.write_text("a\tb\n", encoding="utf-8")
-  proc = subprocess.run(cmd[:-2] + [f"--config.data.train_path={other}", cmd[-1]],
-                        capture_output=True, text=True, env=subprocess_env(), timeout=120)
+  proc = run(cmd[:-2] + [f"--config.data.train_path={other}", cmd[-1]])
   assert proc.returncode == 1
   assert "error: " in proc.stderr and "prepared from another corpus" in proc.stderr

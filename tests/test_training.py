@@ -37,6 +37,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+import fork_server  # noqa: E402
 import train_worker  # noqa: E402  (no JAX import)
 from helpers import (free_port, run_checked, run_together,  # noqa: E402
                      sigterm_one_once_training, subprocess_env)
@@ -552,7 +553,7 @@ def train_on_devices(workdir, devices: int, overrides) -> dict:
   out = workdir.parent / f"{workdir.name}-{devices}.json"
   run_checked([sys.executable, str(WORKER), f"--workdir={workdir}",
                f"--overrides={json.dumps(overrides)}", f"--num_cpu_devices={devices}",
-               f"--out={out}"], subprocess_env(), TIMEOUT_S)
+               f"--out={out}"], subprocess_env(), TIMEOUT_S, preload=fork_server.TRAINING)
   return json.loads(out.read_text())
 
 
@@ -816,8 +817,8 @@ def soak(workdir, phases, seed, cache) -> list[str]:
     delay = rng.uniform(0, {"step": 0.03, "save": 0.02}.get(phase, 0.1))
     kill = {"phase": phase, "nth": nth, "delay": delay}
     try:
-      proc = subprocess.run([*cmd, f"--kill={json.dumps(kill)}"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=TIMEOUT_S)
+      proc = fork_server.run([*cmd[1:], f"--kill={json.dumps(kill)}"], env, cwd=REPO,
+                             preload=fork_server.TRAINING, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
       pytest.fail(f"timed out: {kill}\n{e.stdout}\n{e.stderr}")
     assert proc.returncode == -signal.SIGKILL, (
@@ -827,7 +828,7 @@ def soak(workdir, phases, seed, cache) -> list[str]:
     report.append(f"{phase} #{nth} (+{delay * 1000:.0f} ms) of a run from step {resume}: "
                   f"left {checkpoint_names.checkpoint_steps(workdir)}"
                   + (f" and unfinished {unfinished}" if unfinished else ""))
-  run_checked(cmd, env, TIMEOUT_S)
+  run_checked(cmd, env, TIMEOUT_S, preload=fork_server.TRAINING)
   return report
 
 
@@ -973,7 +974,7 @@ def test_sigterm_to_train_py_saves_exits_143_and_resumes_exactly(tmp_path, compi
   assert "run stopped: preempted (SIGTERM)" in (workdir / "train.log").read_text()
 
   end = saved + 3
-  run_checked(command(end), env, TIMEOUT_S)
+  run_checked(command(end), env, TIMEOUT_S, preload=fork_server.TRAINING)
   reference = train(tmp_path / "reference", dict(overrides, num_train_steps=end))
   state, data_state = load_state(workdir, overrides)
   ref_state, ref_data_state = load_state(tmp_path / "reference", overrides)
