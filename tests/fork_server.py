@@ -37,7 +37,7 @@ import threading
 TRAINING = ("absl.app", "ml_collections.config_flags", "transformer.training.loop")
 DECODING = ("absl.app", "jax", "orbax.checkpoint")
 
-_MAX_IDLE = 3  # servers kept waiting (each holds its imports, ~0.3 GB)
+_MAX_IDLE = 3  # servers kept waiting in a test process (each holds its imports in memory)
 _idle: list[tuple[tuple, "_Server"]] = []  # (key, server), the most recently used last
 _idle_lock = threading.Lock()
 
