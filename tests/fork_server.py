@@ -3,9 +3,8 @@ from one that has imported their libraries already.
 
 A test of a command's options or faults needs a process of its own (its exit
 status, its console, its signal handlers, glibc's settings), but not a new
-interpreter importing jax, flax, optax and orbax again: 3.5 s of a core for
-train.py's imports, 2 s for decode.py's, on a 2-core AVX2 CPU (2026-12-02),
-most of a failing command's time. Here a server process, started with the
+interpreter importing jax, flax, optax and orbax again: most of a failing
+command's time (docs/benchmarks.md, "How long the test suite takes"). Here a server process, started with the
 test's environment, imports them once; each command is then a `fork` of it
 that runs the script as `__main__` with its own argv, working directory and
 standard streams, and exits with the script's status, as `python script`
